@@ -1,0 +1,251 @@
+"""xmig's demo workload: a small GPT trained with DDP on synthetic data.
+
+Run it with ``xmig run --nproc-per-node 2 examples/train_gpt.py --steps 20``; it also runs
+under torchrun or alone (``--plain`` skips xmig entirely, for baselines). The token stream is a
+pure function of (seed, step, rank), and RNGs are reseeded at every step boundary, so two runs
+with the same flags end with the same parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+PRESETS = {
+    # name: (n_layer, n_head, n_embd, block_size, vocab_size)
+    "tiny": (2, 4, 64, 32, 256),
+    "small": (4, 4, 256, 64, 1024),
+    "gpt100m": (12, 12, 768, 512, 16384),
+    "gpt350m": (24, 16, 1024, 512, 32768),
+}
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    dropout: float = 0.1
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+        self.register_buffer(
+            "mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def synthetic_batch(
+    seed: int, step: int, rank: int, batch: int, block: int, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arithmetic token sequences mod vocab, a pure function of (seed, step, rank)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 8, (batch, 1), generator=gen)
+    seq = (start + stride * torch.arange(block + 1)) % vocab
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--n-layer", type=int)
+    parser.add_argument("--n-head", type=int)
+    parser.add_argument("--n-embd", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--vocab-size", type=int)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="sleep this long in every step (to make faults easy to aim)",
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="plain torch.distributed + DDP, without xmig (a baseline)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print only the last step")
+    args = parser.parse_args(argv)
+    if args.steps < 0:
+        parser.error("--steps must not be negative")
+    return args
+
+
+def build_config(args: argparse.Namespace) -> GPTConfig:
+    n_layer, n_head, n_embd, block, vocab = PRESETS[args.preset]
+    cfg = GPTConfig(
+        n_layer=args.n_layer or n_layer,
+        n_head=args.n_head or n_head,
+        n_embd=args.n_embd or n_embd,
+        block_size=args.block_size or block,
+        vocab_size=args.vocab_size or vocab,
+        dropout=args.dropout,
+    )
+    if cfg.n_embd % cfg.n_head:
+        sys.exit(f"--n-embd ({cfg.n_embd}) must be a multiple of --n-head ({cfg.n_head})")
+    return cfg
+
+
+class PlainSession:
+    """The same loop without xmig: plain process group, plain reseeding."""
+
+    def __init__(self, seed: int) -> None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = (
+            torch.device("cuda", self.local_rank) if backend == "nccl" else torch.device("cpu")
+        )
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+        self.seed = seed
+        self.process_group = None
+        self.objects: dict = {}
+
+    def register(self, **objects) -> None:
+        self.objects.update(objects)
+
+    def steps(self, total: int):
+        from xmig.state import params_sha256, reseed
+
+        for step in range(total):
+            reseed(self.seed, self.rank, step)
+            yield step
+        if self.rank == 0:
+            print(f"final params sha256 {params_sha256(self.objects['model'])}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = build_config(args)
+    if args.plain:
+        session = PlainSession(args.seed)
+    else:
+        import xmig
+
+        session = xmig.init(seed=args.seed)
+    rank, device = session.rank, session.device
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = GPT(cfg).to(device)
+    ddp = DistributedDataParallel(
+        model,
+        process_group=session.process_group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    session.register(model=model, optimizer=optimizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(
+            f"[rank0] GPT {cfg.n_layer}x{cfg.n_embd}, {n_params / 1e6:.2f} M parameters, "
+            f"{session.world_size} ranks, {args.steps} steps",
+            flush=True,
+        )
+    started = time.perf_counter()
+    for step in session.steps(args.steps):
+        x, y = synthetic_batch(
+            args.seed, step, rank, args.batch_size, cfg.block_size, cfg.vocab_size, device
+        )
+        loss = ddp(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if not args.quiet or step == args.steps - 1:
+            print(f"[rank{rank}] step {step} loss {loss.item():.4f}", flush=True)
+    if rank == 0:
+        elapsed = time.perf_counter() - started
+        print(f"[rank0] {args.steps} steps in {elapsed:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""xmig: keep distributed PyTorch jobs running through GPU, driver, process and node faults."""
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from xmig.session import Session, XmigError, init
+
+__all__ = ["Session", "XmigError", "__version__", "init"]
+
+
+def __getattr__(name: str):  # the launcher and agents must not pay for importing torch
+    if name in ("init", "Session", "XmigError"):
+        from xmig import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module 'xmig' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from xmig.launch.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The node agent: spawns, watches and stops the workers of one node."""

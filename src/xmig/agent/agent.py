@@ -1,0 +1,347 @@
+"""The node agent: spawns this node's workers and watches them (exit, heartbeat, errors)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from xmig.faults.spec import FaultSpec
+from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
+from xmig.procs import die_with_parent
+from xmig.wire import Client, Peer, Server, WireError, format_address
+
+
+@dataclass
+class Worker:
+    """One local rank's current process, as the agent sees it."""
+
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    pidfd: int
+    attempt: int
+    state: str = "starting"  # starting, running, done, faulted, stopping, exited
+    peer: Peer | None = None
+    last_beat: float | None = None  # monotonic time of the last sign of life
+    last_beat_wall: float | None = None
+    step: int | None = None
+    announced: dict[str, Any] | None = None  # the injected fault it said it is carrying out
+    pending_faults: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def describe_exit(returncode: int) -> tuple[str, str]:
+    """(kind, detail) for a worker's exit status: a signal or an exit code."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return "signal", name
+    return "exit", f"exit code {returncode}"
+
+
+class Agent:
+    """Spawns and watches the workers of one node; reports every fault to the coordinator.
+
+    All spawning and reaping happens on the thread that runs ``run()`` (the workers' death
+    signal is tied to it); other threads only post events to it.
+    """
+
+    def __init__(self, coord_addr: tuple[str, int], token: str, node_rank: int) -> None:
+        self.coord_addr = coord_addr
+        self.token = token
+        self.node_rank = node_rank
+        self.workers: dict[int, Worker] = {}
+        self.job: dict[str, Any] = {}
+        self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self.server: Server | None = None
+        self.coord: Client | None = None
+
+    # ---- events from other threads -------------------------------------------------------
+    def _post(self, kind: str, data: Any = None) -> None:
+        self._events.put((kind, data))
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _on_coord_push(self, msg: dict[str, Any]) -> None:
+        self._post(msg.get("op", ""), msg)
+
+    def _on_coord_lost(self) -> None:
+        self._post("coord_lost")
+
+    def _on_worker_message(self, peer: Peer, msg: dict[str, Any]) -> dict[str, Any] | None:
+        rank = int(peer.info.get("rank", -1))
+        op = msg.get("op")
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            worker = self.workers.get(rank)
+            if worker is None or worker.pid != int(peer.info.get("pid", -1)):
+                raise ValueError(f"no worker with rank {rank} and that pid on this node")
+            worker.last_beat, worker.last_beat_wall = now, wall
+            if op == "hello":
+                worker.peer = peer
+                worker.state = "running"
+            elif op in ("hb", "step"):
+                if msg.get("step") is not None and msg.get("step") != worker.step:
+                    worker.step = msg["step"]
+                    self._post("progress", (rank, worker.step))
+            elif op == "injecting":
+                worker.announced = {"fault": msg["fault"], "t": msg["t"], "step": msg.get("step")}
+            elif op == "error":
+                self._post("worker_error", (rank, worker.pid, msg, wall))
+            elif op == "done":
+                worker.state = "done"
+                self._post("done", (rank, msg))
+        return {}
+
+    # ---- main loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        self.server = Server("127.0.0.1", 0, self.token, self._on_worker_message, name="agent")
+        self.server.start()
+        self.coord = Client(
+            self.coord_addr,
+            self.token,
+            info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
+            on_push=self._on_coord_push,
+            on_close=self._on_coord_lost,
+        )
+        reply = self.coord.call("agent_hello", node=self.node_rank, pid=os.getpid())
+        self.job = reply["job"]
+        self.heartbeat_timeout = float(self.job["heartbeat_timeout"])
+        nproc = int(self.job["nproc_per_node"])
+        for local_rank in range(nproc):
+            self._spawn(self.node_rank * nproc + local_rank, local_rank, attempt=0)
+        while True:
+            timeout = 0.05
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                else:
+                    self._reap(key.data)
+            while True:
+                try:
+                    kind, data = self._events.get_nowait()
+                except queue.Empty:
+                    break
+                result = self._handle_event(kind, data)
+                if result is not None:
+                    return result
+            self._check_heartbeats()
+
+    def _handle_event(self, kind: str, data: Any) -> int | None:
+        if kind == "progress":
+            rank, step = data
+            self._notify("progress", rank=rank, step=step)
+        elif kind == "worker_error":
+            rank, pid, msg, wall = data
+            worker = self.workers.get(rank)
+            if worker is not None and worker.pid == pid and worker.state != "stopping":
+                worker.state = "faulted"
+                self._report_fault(
+                    worker, "error", msg.get("error", "?"), wall, step=msg.get("step")
+                )
+        elif kind == "done":
+            rank, msg = data
+            self._notify(
+                "worker_done",
+                rank=rank,
+                steps=msg.get("steps"),
+                params_sha256=msg.get("params_sha256"),
+            )
+        elif kind == "inject":
+            self._deliver_fault(msg=data)
+        elif kind == "stop":
+            self._stop_workers(float(data.get("grace", self.job.get("stop_grace", 3.0))))
+            self._notify("stopped", node=self.node_rank)
+        elif kind == "shutdown":
+            self._stop_workers(0.0)
+            return 0
+        elif kind == "coord_lost":
+            print(
+                f"xmig: agent {self.node_rank} lost the coordinator; stopping its workers",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._stop_workers(0.0)
+            return 1
+        return None
+
+    def _notify(self, op: str, **fields: Any) -> None:
+        assert self.coord is not None
+        try:
+            self.coord.notify(op, **fields)
+        except WireError:
+            self._post("coord_lost")
+
+    # ---- workers --------------------------------------------------------------------------
+    def _spawn(self, rank: int, local_rank: int, attempt: int) -> Worker:
+        job = self.job
+        faults = [FaultSpec.from_json(f) for f in job["faults"] if f["rank"] == rank]
+        assert self.server is not None
+        env = WorkerEnv(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=int(job["world_size"]),
+            master_addr=job["master_addr"],
+            master_port=int(job["master_port"]),
+            job_id=job["job_id"],
+            token=self.token,
+            agent_addr=format_address(self.server.address),
+            node_rank=self.node_rank,
+            heartbeat_interval=float(job["heartbeat_interval"]),
+            attempt=attempt,
+            faults=faults,
+        )
+        environ = dict(os.environ)
+        environ.update(env.to_environ())
+        environ["LOCAL_WORLD_SIZE"] = str(job["nproc_per_node"])
+        environ[COORD_ADDR] = format_address(self.coord_addr)
+        environ[JOB_ID] = job["job_id"]
+        environ[TOKEN] = self.token
+        environ.setdefault("PYTHONUNBUFFERED", "1")
+        if int(job["world_size"]) > 1:
+            # as torchrun does, but for every multi-rank job: all simulated nodes share this
+            # machine, and a rank's numerics must not depend on how ranks map to nodes
+            environ.setdefault("OMP_NUM_THREADS", "1")
+        proc = subprocess.Popen(
+            [sys.executable, job["script"], *job["args"]],
+            cwd=job["cwd"],
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        pidfd = os.pidfd_open(proc.pid)
+        worker = Worker(rank=rank, local_rank=local_rank, proc=proc, pidfd=pidfd, attempt=attempt)
+        with self._lock:
+            self.workers[rank] = worker
+        self._selector.register(pidfd, selectors.EVENT_READ, rank)
+        self._notify("worker_started", rank=rank, pid=proc.pid, attempt=attempt, t=time.time())
+        return worker
+
+    def _reap(self, rank: int) -> None:
+        worker = self.workers[rank]
+        returncode = worker.proc.wait()
+        detected = time.time()
+        self._selector.unregister(worker.pidfd)
+        os.close(worker.pidfd)
+        previous, worker.state = worker.state, "exited"
+        if previous in ("stopping", "faulted"):
+            return
+        if returncode == 0:
+            self._notify("worker_exited", rank=rank, pid=worker.pid, t=detected)
+            return
+        kind, detail = describe_exit(returncode)
+        self._report_fault(worker, kind, detail, detected)
+
+    def _report_fault(
+        self, worker: Worker, kind: str, detail: str, detected: float, step: int | None = None
+    ) -> None:
+        announced = worker.announced
+        if announced is not None:
+            t_fault, source = announced["t"], "injection"
+        elif kind == "hang" and worker.last_beat_wall is not None:
+            t_fault, source = worker.last_beat_wall, "last_heartbeat"
+        else:
+            t_fault, source = detected, "detection"
+        if step is None:
+            step = announced["step"] if announced is not None else worker.step
+        record = {
+            "rank": worker.rank,
+            "node": self.node_rank,
+            "pid": worker.pid,
+            "attempt": worker.attempt,
+            "kind": kind,
+            "detail": detail,
+            "step": step,
+            "injected": announced["fault"] if announced is not None else None,
+            "t_fault": t_fault,
+            "t_detected": detected,
+            "fault_time_source": source,
+            "detected_after_s": round(max(0.0, detected - t_fault), 6),
+        }
+        self._notify("fault", record=record)
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for worker in list(self.workers.values()):
+            if worker.state != "running" or worker.last_beat is None:
+                continue
+            if now - worker.last_beat > self.heartbeat_timeout:
+                detected = time.time()
+                worker.state = "faulted"
+                silent = now - worker.last_beat
+                # a hung rank is killed so that its peers' collectives fail fast
+                self._kill(worker, signal.SIGKILL)
+                self._report_fault(worker, "hang", f"no heartbeat for {silent:.2f} s", detected)
+
+    def _deliver_fault(self, msg: dict[str, Any]) -> None:
+        fault = msg["fault"]
+        worker = self.workers.get(int(fault["rank"]))
+        if (
+            worker is None
+            or worker.peer is None
+            or not worker.peer.push({"op": "inject", "fault": fault})
+        ):
+            print(
+                f"xmig: agent {self.node_rank}: could not deliver fault {fault} "
+                "(the rank is not connected)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    @staticmethod
+    def _kill(worker: Worker, sig: int) -> None:
+        try:
+            os.kill(worker.pid, sig)
+            if sig != signal.SIGKILL:
+                os.kill(worker.pid, signal.SIGCONT)  # a stopped process must run to die
+        except ProcessLookupError:
+            pass
+
+    def _stop_workers(self, grace: float) -> None:
+        live = [w for w in self.workers.values() if w.state != "exited"]
+        for worker in live:
+            worker.state = "stopping"
+            self._kill(worker, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        deadline = time.monotonic() + grace
+        for worker in live:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._kill(worker, signal.SIGKILL)
+        for worker in live:
+            try:
+                worker.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                print(
+                    f"xmig: worker pid {worker.pid} did not die after SIGKILL",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            try:
+                self._selector.unregister(worker.pidfd)
+                os.close(worker.pidfd)
+            except (KeyError, ValueError, OSError):
+                pass
+            worker.state = "exited"

@@ -1,0 +1,58 @@
+"""``python -m xmig.coord``: the job's coordinator process (started by ``xmig run``).
+
+Reads the job spec as JSON on stdin and the token from the environment, then prints one JSON
+line on stdout: ``{"ready": ..., "address": ..., "master_port": ...}`` or ``{"error": ...}``.
+"""
+
+import json
+import os
+import sys
+import time
+
+from xmig.coord.coordinator import Coordinator
+from xmig.coord.job import JobSpec
+from xmig.jobenv import TOKEN
+
+LINGER_S = 5.0
+
+
+def main() -> int:
+    token = os.environ.get(TOKEN)
+    spec = JobSpec.from_json(json.loads(sys.stdin.readline()))
+    if not token:
+        print(json.dumps({"error": "the job token is missing from the environment"}), flush=True)
+        return 2
+    try:
+        coord = Coordinator(spec, token)
+    except (RuntimeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = f"cannot listen on {spec.master_addr}:{spec.master_port}: {first}"
+        if "in use" in first.lower() or "EADDRINUSE" in first:
+            reason = f"port {spec.master_port} on {spec.master_addr} is already in use"
+        print(json.dumps({"error": reason}), flush=True)
+        return 2
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "address": coord.address,
+                "master_port": spec.master_port,
+                "pid": os.getpid(),
+            }
+        ),
+        flush=True,
+    )
+    coord.run()
+    # let the launcher read the outcome and the agents shut down before the store goes away
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline and (
+        coord.agents
+        and any(not a.conn.closed for a in coord.agents.values())
+        or any(not p.conn.closed for p in coord.launchers)
+    ):
+        time.sleep(0.02)
+    return 0 if coord.status == "completed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Fault specifications: ``KIND:rank=R:step=S[:at=POINT][:code=N]``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+KINDS = ("kill", "exit", "raise", "hang")
+POINTS = ("forward", "backward", "optimizer", "boundary")
+DEFAULT_POINT = "backward"
+
+
+class FaultSpecError(ValueError):
+    """A fault specification that cannot be understood."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault to inject into one rank at one step.
+
+    ``at`` is a point of the step (``forward``, ``backward``, ``optimizer``, ``boundary``) or
+    ``collective=K``: the K-th collective (counting from 0) that the rank issues in the step.
+    ``step`` may be None only for a fault injected into a running job: the next step.
+    """
+
+    kind: str
+    rank: int
+    step: int | None
+    at: str = DEFAULT_POINT
+    code: int = 1
+
+    @property
+    def collective(self) -> int | None:
+        """The collective index for ``at=collective=K``, else None."""
+        if self.at.startswith("collective="):
+            return int(self.at.split("=", 1)[1])
+        return None
+
+    def __str__(self) -> str:
+        text = f"{self.kind}:rank={self.rank}"
+        if self.step is not None:
+            text += f":step={self.step}"
+        text += f":at={self.at}"
+        if self.kind == "exit" and self.code != 1:
+            text += f":code={self.code}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FaultSpec:
+        return cls(**data)
+
+
+def _int_field(name: str, value: str, spec: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise FaultSpecError(f"{name}={value!r} is not a whole number in {spec!r}") from None
+    if number < minimum:
+        raise FaultSpecError(f"{name} must be >= {minimum} in {spec!r}")
+    return number
+
+
+def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
+    """Parse one ``--inject`` value; raise FaultSpecError with the reason when malformed."""
+    parts = spec.strip().split(":")
+    kind = parts[0]
+    if kind not in KINDS:
+        raise FaultSpecError(
+            f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})"
+        )
+    fields: dict[str, str] = {}
+    for part in parts[1:]:
+        key, sep, value = part.partition("=")
+        if not sep or not value:
+            raise FaultSpecError(f"expected key=value, got {part!r} in {spec!r}")
+        if key in fields:
+            raise FaultSpecError(f"{key} given twice in {spec!r}")
+        fields[key] = value
+    unknown = set(fields) - {"rank", "step", "at", "code"}
+    if unknown:
+        raise FaultSpecError(f"unknown field {sorted(unknown)[0]!r} in {spec!r}")
+    if "rank" not in fields:
+        raise FaultSpecError(f"missing rank=R in {spec!r}")
+    if require_step and "step" not in fields:
+        raise FaultSpecError(f"missing step=S in {spec!r}")
+    rank = _int_field("rank", fields["rank"], spec, 0)
+    step = _int_field("step", fields["step"], spec, 0) if "step" in fields else None
+    at = fields.get("at", DEFAULT_POINT)
+    if at == "collective":
+        raise FaultSpecError(f"at=collective needs an index, e.g. at=collective=2, in {spec!r}")
+    if at.startswith("collective="):
+        _int_field("collective", at.split("=", 1)[1], spec, 0)
+    elif at not in POINTS:
+        raise FaultSpecError(
+            f"unknown point at={at!r} in {spec!r} (expected {', '.join(POINTS)} or collective=K)"
+        )
+    code = 1
+    if "code" in fields:
+        if kind != "exit":
+            raise FaultSpecError(f"code= applies only to exit faults, in {spec!r}")
+        code = _int_field("code", fields["code"], spec, 1)
+        if code > 255:
+            raise FaultSpecError(f"code must be <= 255 in {spec!r}")
+    return FaultSpec(kind=kind, rank=rank, step=step, at=at, code=code)
+
+
+def parse_faults(specs: list[str], world_size: int) -> list[FaultSpec]:
+    """Parse several specs and check their ranks against the world size."""
+    faults = []
+    for text in specs:
+        fault = parse_fault(text)
+        if fault.rank >= world_size:
+            raise FaultSpecError(
+                f"rank {fault.rank} does not exist in {text!r} (world size {world_size})"
+            )
+        faults.append(fault)
+    return faults

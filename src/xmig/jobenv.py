@@ -1,0 +1,82 @@
+"""The environment an agent hands to each worker: torchrun's variables plus xmig's own."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from xmig.faults.spec import FaultSpec
+
+JOB_ID = "XMIG_JOB_ID"
+TOKEN = "XMIG_TOKEN"
+AGENT_ADDR = "XMIG_AGENT_ADDR"
+COORD_ADDR = "XMIG_COORD_ADDR"
+NODE_RANK = "XMIG_NODE_RANK"
+HEARTBEAT_INTERVAL = "XMIG_HEARTBEAT_INTERVAL"
+INJECT = "XMIG_INJECT"
+ATTEMPT = "XMIG_ATTEMPT"
+
+
+@dataclass
+class WorkerEnv:
+    """What a worker learns from its environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    job_id: str | None = None
+    token: str | None = None
+    agent_addr: str | None = None
+    node_rank: int = 0
+    heartbeat_interval: float = 0.5
+    attempt: int = 0
+    faults: list[FaultSpec] = field(default_factory=list)
+
+    @property
+    def managed(self) -> bool:
+        """True when an xmig agent started this worker."""
+        return self.agent_addr is not None
+
+    def to_environ(self) -> dict[str, str]:
+        env = {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            NODE_RANK: str(self.node_rank),
+            "GROUP_RANK": str(self.node_rank),
+            HEARTBEAT_INTERVAL: str(self.heartbeat_interval),
+            ATTEMPT: str(self.attempt),
+            INJECT: json.dumps([f.to_json() for f in self.faults]),
+        }
+        if self.job_id:
+            env[JOB_ID] = self.job_id
+        if self.token:
+            env[TOKEN] = self.token
+        if self.agent_addr:
+            env[AGENT_ADDR] = self.agent_addr
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        env = os.environ if environ is None else environ
+        faults = [FaultSpec.from_json(f) for f in json.loads(env.get(INJECT, "[]"))]
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "0")),
+            job_id=env.get(JOB_ID),
+            token=env.get(TOKEN),
+            agent_addr=env.get(AGENT_ADDR),
+            node_rank=int(env.get(NODE_RANK, "0")),
+            heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, "0.5")),
+            attempt=int(env.get(ATTEMPT, "0")),
+            faults=faults,
+        )

@@ -1,0 +1,1 @@
+"""``xmig run`` and the rest of the command line."""

@@ -1,0 +1,195 @@
+"""The ``xmig`` command line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+
+from xmig import __version__
+from xmig.coord.job import JobSpec
+from xmig.faults.spec import FaultSpecError, parse_faults
+from xmig.launch.launcher import Launcher, LaunchError, find_job
+from xmig.wire import AuthError, Client, RemoteError, WireError, parse_address
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="xmig: keep distributed PyTorch jobs running through GPU, process and node faults.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"xmig {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    pass
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def run(
+    script: Annotated[str, typer.Argument(help="The training script (run with this Python).")],
+    script_args: Annotated[
+        list[str] | None, typer.Argument(help="Arguments passed to the script.")
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="Number of nodes (agents).")] = 1,
+    nproc_per_node: Annotated[int, typer.Option(help="Workers (ranks) per node.")] = 1,
+    master_addr: Annotated[str, typer.Option(help="Address of the coordinator's store.")] = (
+        "127.0.0.1"
+    ),
+    master_port: Annotated[
+        int, typer.Option(help="Port of the coordinator's c10d store; 0 picks a free one.")
+    ] = 0,
+    inject: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Inject a fault: KIND:rank=R:step=S[:at=forward|backward|optimizer|boundary"
+            "|collective=K], KIND one of kill, exit, raise, hang. Repeatable."
+        ),
+    ] = None,
+    summary: Annotated[
+        Path | None, typer.Option(help="Write the run summary (JSON) to this file.")
+    ] = None,
+    heartbeat_interval: Annotated[
+        float, typer.Option(help="Seconds between a worker's heartbeats.")
+    ] = 0.5,
+    heartbeat_timeout: Annotated[
+        float, typer.Option(help="Seconds without a heartbeat before a rank counts as hung.")
+    ] = 3.0,
+    stop_grace: Annotated[
+        float, typer.Option(help="Seconds a worker gets to exit on stop before SIGKILL.")
+    ] = 3.0,
+) -> None:
+    """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
+    if not Path(script).is_file():
+        raise click.UsageError(f"script not found: {script}")
+    if nnodes < 1:
+        raise click.UsageError(f"--nnodes must be at least 1, got {nnodes}")
+    if nproc_per_node < 1:
+        raise click.UsageError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+    if not 0 <= master_port <= 65535:
+        raise click.UsageError(f"--master-port must be 0..65535, got {master_port}")
+    if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
+        raise click.UsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+    if stop_grace < 0:
+        raise click.UsageError("--stop-grace must not be negative")
+    try:
+        faults = parse_faults(inject or [], nnodes * nproc_per_node)
+    except FaultSpecError as exc:
+        raise click.UsageError(f"bad --inject: {exc}") from None
+    spec = JobSpec(
+        job_id=time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex(),
+        script=str(Path(script).resolve()),
+        args=list(script_args or []),
+        cwd=os.getcwd(),
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        master_addr=master_addr,
+        master_port=master_port,
+        faults=[f.to_json() for f in faults],
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        stop_grace=stop_grace,
+    )
+    try:
+        code = Launcher(spec, summary).run()
+    except LaunchError as exc:
+        raise click.UsageError(str(exc)) from None
+    raise typer.Exit(code)
+
+
+def _connect(job: str | None, coord: str | None, token: str | None) -> Client:
+    if coord is not None:
+        token = token or os.environ.get("XMIG_TOKEN")
+        if not token:
+            raise click.UsageError("--coord needs the job token: --token or XMIG_TOKEN")
+        try:
+            address = parse_address(coord)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    else:
+        try:
+            found = find_job(job)
+        except LaunchError as exc:
+            raise click.UsageError(str(exc)) from None
+        address, token = parse_address(found.coordinator), token or found.token
+    try:
+        return Client(address, token, info={"role": "client"}, connect_timeout=5.0)
+    except AuthError as exc:
+        raise click.UsageError(f"the coordinator refused the connection: {exc}") from None
+    except (WireError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+JobOpt = Annotated[str | None, typer.Option(help="Job id (default: the only running job).")]
+CoordOpt = Annotated[
+    str | None, typer.Option(help="Coordinator address host:port (instead of --job).")
+]
+TokenOpt = Annotated[str | None, typer.Option(help="The job token (default: from the job).")]
+
+
+@app.command("inject")
+def inject_cmd(
+    spec: Annotated[
+        str, typer.Argument(help="KIND:rank=R[:step=S][:at=POINT]; without step: the next step.")
+    ],
+    job: JobOpt = None,
+    coord: CoordOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Inject a fault into a running job."""
+    client = _connect(job, coord, token)
+    try:
+        reply = client.call("inject", spec=spec, timeout=10.0)
+    except RemoteError as exc:
+        raise click.UsageError(f"fault refused: {exc}") from None
+    finally:
+        client.close()
+    print(f"xmig: fault {reply['fault']} queued")
+
+
+@app.command("status")
+def status_cmd(job: JobOpt = None, coord: CoordOpt = None, token: TokenOpt = None) -> None:
+    """Show a running job's state."""
+    client = _connect(job, coord, token)
+    try:
+        status = client.call("status", timeout=10.0)["status"]
+    finally:
+        client.close()
+    progress = ", ".join(f"rank {r}: step {s}" for r, s in status["progress"].items())
+    print(
+        f"job {status['job_id']}: {status['status']}, generation {status['generation']}, "
+        f"{status['world_size']} ranks, {status['faults']} fault(s); {progress or 'no steps yet'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: errors in what the user typed are one line and exit code 2."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="xmig", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.ClickException as exc:
+        print(f"xmig: error: {exc.format_message()}", file=sys.stderr)
+        code = 2
+    except click.exceptions.Abort:
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)

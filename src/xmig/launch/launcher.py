@@ -1,0 +1,273 @@
+"""``xmig run``: start the coordinator and one agent per node, wait for the outcome."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xmig.coord.job import JobSpec
+from xmig.jobenv import JOB_ID, TOKEN
+from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
+from xmig.wire import Client, WireError, parse_address
+
+COORDINATOR_START_TIMEOUT_S = 120.0
+SHUTDOWN_TIMEOUT_S = 15.0
+
+
+class LaunchError(Exception):
+    """Bad input or a job that could not start: printed as one line, exit code 2."""
+
+
+def jobs_dir() -> Path:
+    """Where running jobs leave their address and token (readable by their owner only)."""
+    return Path(os.environ.get("XMIG_JOBS_DIR", Path.home() / ".xmig" / "jobs"))
+
+
+@dataclass
+class JobFile:
+    job_id: str
+    coordinator: str
+    token: str
+    launcher_pid: int
+
+    @classmethod
+    def load(cls, path: Path) -> JobFile:
+        return cls(**json.loads(path.read_text()))
+
+
+def find_job(job_id: str | None) -> JobFile:
+    """The running job named ``job_id``, or the only running one."""
+    folder = jobs_dir()
+    if job_id:
+        path = folder / f"{job_id}.json"
+        if not path.exists():
+            raise LaunchError(f"no running job {job_id!r} (looked in {folder})")
+        return JobFile.load(path)
+    found = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    live = []
+    for path in found:
+        job = JobFile.load(path)
+        if os.path.exists(f"/proc/{job.launcher_pid}"):
+            live.append(job)
+    if not live:
+        raise LaunchError(f"no running xmig job found (looked in {folder})")
+    if len(live) > 1:
+        names = ", ".join(j.job_id for j in live)
+        raise LaunchError(f"several jobs are running ({names}): pick one with --job")
+    return live[0]
+
+
+def _read_ready_line(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LaunchError(f"the coordinator did not start within {timeout:.0f} s")
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise LaunchError(f"the coordinator exited during start-up (code {proc.wait()})")
+            buf += chunk
+    return json.loads(buf.split(b"\n", 1)[0])
+
+
+class Launcher:
+    """Runs one job to its outcome; owns the coordinator and agent processes."""
+
+    def __init__(self, spec: JobSpec, summary_path: Path | None) -> None:
+        self.spec = spec
+        self.summary_path = summary_path
+        self.token = secrets.token_hex(32)
+        self.coordinator: subprocess.Popen | None = None
+        self.agents: list[subprocess.Popen] = []
+        self.client: Client | None = None
+        self.job_file: Path | None = None
+        self._result: dict[str, Any] | None = None
+        self._result_ready = threading.Event()
+        self._interrupted: str | None = None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[TOKEN] = self.token
+        env[JOB_ID] = self.spec.job_id
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _start_coordinator(self) -> str:
+        self.coordinator = subprocess.Popen(
+            [sys.executable, "-m", "xmig.coord"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self._env(),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        assert self.coordinator.stdin is not None
+        self.coordinator.stdin.write((json.dumps(self.spec.to_json()) + "\n").encode())
+        self.coordinator.stdin.close()
+        ready = _read_ready_line(self.coordinator, COORDINATOR_START_TIMEOUT_S)
+        if "error" in ready:
+            raise LaunchError(ready["error"])
+        self.spec.master_port = int(ready["master_port"])
+        return str(ready["address"])
+
+    def _start_agents(self, address: str) -> None:
+        for node in range(self.spec.nnodes):
+            self.agents.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "xmig.agent",
+                        "--coord",
+                        address,
+                        "--node-rank",
+                        str(node),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    env=self._env(),
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            )
+
+    def _write_job_file(self, address: str) -> None:
+        folder = jobs_dir()
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"{self.spec.job_id}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(
+                {
+                    "job_id": self.spec.job_id,
+                    "coordinator": address,
+                    "token": self.token,
+                    "launcher_pid": os.getpid(),
+                },
+                out,
+            )
+        self.job_file = path
+
+    def _on_push(self, msg: dict[str, Any]) -> None:
+        if msg.get("op") == "result":
+            self._result = msg["summary"]
+            self._result_ready.set()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self._interrupted is not None:
+            print(f"xmig: {name} again: killing the job now", file=sys.stderr, flush=True)
+            self._kill_all()
+            os._exit(128 + signum)
+        self._interrupted = name
+        print(f"xmig: {name}: stopping the job (again to kill it)", file=sys.stderr, flush=True)
+        if self.client is not None:
+            with contextlib.suppress(WireError):
+                self.client.notify("stop", reason=f"interrupted by {name}")
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            address = self._start_coordinator()
+            self._start_agents(address)
+            self.client = Client(
+                parse_address(address),
+                self.token,
+                info={"role": "launcher"},
+                on_push=self._on_push,
+                on_close=self._result_ready.set,
+            )
+            self.client.call("wait_result")
+            self._write_job_file(address)
+            print(
+                f"xmig: job {self.spec.job_id}: {self.spec.world_size} ranks on "
+                f"{self.spec.nnodes} node(s), coordinator {address}, store port "
+                f"{self.spec.master_port}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._result_ready.wait()
+            summary = self._result
+            if summary is None:
+                code = self.coordinator.wait() if self.coordinator else None
+                print(
+                    f"xmig: the coordinator died (exit {code}) before the job ended; "
+                    "stopping everything",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            self._report(summary)
+            code = int(summary["exit_code"])
+            if self._interrupted and summary["status"] != "completed":
+                code = 130
+            return code
+        finally:
+            self._shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _report(self, summary: dict[str, Any]) -> None:
+        if self.summary_path is not None:
+            self.summary_path.parent.mkdir(parents=True, exist_ok=True)
+            self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        head = f"xmig: job {summary['job_id']}"
+        if summary["status"] == "completed":
+            print(
+                f"{head} completed: {summary['steps']} steps on {summary['world_size']} "
+                f"ranks in {summary['duration_s']:.1f} s; final params sha256 "
+                f"{summary['final_params_sha256']}",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(f"{head} FAILED: {summary['message'].removeprefix('failed: ')}", file=sys.stderr)
+            print(
+                f"xmig: all workers stopped {summary['stop_s']:.2f} s after the decision; "
+                f"{summary['steps']} steps completed; exit code {summary['exit_code']}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _kill_all(self) -> None:
+        procs = [p for p in [self.coordinator, *self.agents] if p is not None]
+        kill_pids([p.pid for p in procs if p.poll() is None])
+
+    def _shutdown(self) -> None:
+        """Every process of the job ends, within a bound, whatever happened."""
+        if self.client is not None:
+            self.client.close()
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for proc in self.agents:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                stop_process(proc, grace=1.0)  # its workers die with it (parent-death signal)
+        if self.coordinator is not None:
+            try:
+                self.coordinator.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stop_process(self.coordinator, grace=1.0)
+        if self._result is not None:
+            pids = [p for ps in self._result.get("worker_pids", {}).values() for p in ps]
+            left = wait_gone(pids, timeout=5.0)
+            if left:
+                print(f"xmig: killing leftover worker processes {left}", file=sys.stderr)
+                kill_pids(left)
+        if self.job_file is not None:
+            self.job_file.unlink(missing_ok=True)

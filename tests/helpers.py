@@ -1,0 +1,115 @@
+"""Running ``xmig`` as a user would, bounded in time, and checking nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "examples" / "train_gpt.py"
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    summary: dict | None
+    elapsed: float
+
+    @property
+    def last_lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith("xmig:")][-3:]
+
+
+def job_processes(job_id: str) -> list[psutil.Process]:
+    """Every live process that carries this job's id in its environment."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("XMIG_JOB_ID") == job_id:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def summary_pids(summary: dict) -> list[int]:
+    pids = [summary["coordinator_pid"], *summary["agent_pids"].values()]
+    pids += [p for ps in summary["worker_pids"].values() for p in ps]
+    return [int(p) for p in pids]
+
+
+def assert_all_gone(summary: dict, timeout: float = 10.0) -> None:
+    """No process of the job is alive (by the PIDs the summary names, and by job id)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [
+            p
+            for p in summary_pids(summary)
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        alive += [p.pid for p in job_processes(summary["job_id"])]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not alive, f"processes of job {summary['job_id']} still alive: {sorted(set(alive))}"
+
+
+def xmig(
+    *args: str, timeout: float = 120.0, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run an ``xmig`` command that ends by itself (bad input, inject, status)."""
+    return subprocess.run(
+        [sys.executable, "-m", "xmig", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        check=False,
+    )
+
+
+def start_run(args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.Popen:
+    summary = tmp_path / "summary.json"
+    return subprocess.Popen(
+        [sys.executable, "-m", "xmig", "run", "--summary", str(summary), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "XMIG_JOBS_DIR": str(tmp_path / "jobs"), **(env or {})},
+        start_new_session=True,
+    )
+
+
+def finish_run(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> Result:
+    started = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # the launcher's death takes its coordinator, agents and workers with it
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"xmig run did not finish within {timeout} s:\n{output}") from None
+    summary_file = tmp_path / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    result = Result(proc.returncode, output, summary, time.monotonic() - started)
+    if summary is not None:
+        assert_all_gone(summary)
+    return result
+
+
+def run(args: list[str], tmp_path: Path, timeout: float = 180.0, env: dict | None = None) -> Result:
+    """``xmig run --summary … ARGS``, bounded; asserts afterwards that no process remains."""
+    return finish_run(start_run(args, tmp_path, env), tmp_path, timeout)

@@ -1,0 +1,72 @@
+"""Bad input: one clear line on stderr and exit code 2, before anything starts."""
+
+import socket
+
+import pytest
+
+from helpers import DEMO, xmig
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("xmig: error: ")
+    for needle in needles:
+        assert needle in lines[0]
+    print(lines[0])
+
+
+def test_missing_script():
+    _one_line_error(
+        xmig("run", "--nproc-per-node", "2", "no/such/script.py"),
+        "script not found",
+        "no/such/script.py",
+    )
+
+
+@pytest.mark.parametrize("flag", ["--nproc-per-node", "--nnodes"])
+def test_zero_processes(flag):
+    _one_line_error(xmig("run", flag, "0", str(DEMO)), flag, "at least 1")
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("kill:rank=1", "missing step"),
+        ("explode:rank=0:step=1", "unknown fault kind"),
+        ("kill:rank=0:step=1:at=nowhere", "unknown point"),
+        ("kill:rank=7:step=1", "rank 7 does not exist"),
+    ],
+)
+def test_malformed_inject(spec, needle):
+    _one_line_error(
+        xmig("run", "--nproc-per-node", "2", "--inject", spec, str(DEMO)), "bad --inject", needle
+    )
+
+
+def test_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = xmig("run", "--nproc-per-node", "1", "--master-port", str(port), str(DEMO))
+    _one_line_error(proc, f"port {port}", "already in use")
+
+
+def test_inject_without_a_job(tmp_path):
+    _one_line_error(
+        xmig("inject", "kill:rank=0", env={"XMIG_JOBS_DIR": str(tmp_path)}), "no running xmig job"
+    )
+
+
+def test_bad_heartbeat_settings():
+    _one_line_error(
+        xmig("run", "--heartbeat-interval", "2", "--heartbeat-timeout", "1", str(DEMO)), "heartbeat"
+    )
+
+
+def test_version_and_help():
+    assert xmig("--version").stdout.startswith("xmig ")
+    proc = xmig("run", "--help")
+    assert proc.returncode == 0 and "--nproc-per-node" in proc.stdout and "--inject" in proc.stdout

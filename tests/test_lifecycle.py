@@ -1,0 +1,169 @@
+"""Faults that nobody injected, a lost agent, interrupts, and faults injected at run time."""
+
+import json
+import os
+import signal
+import textwrap
+import time
+
+import psutil
+
+from helpers import DEMO, REPO, assert_all_gone, finish_run, job_processes, run, start_run, xmig
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "worker.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _job_file(tmp_path):
+    def found():
+        files = list((tmp_path / "jobs").glob("*.json")) if (tmp_path / "jobs").is_dir() else []
+        return json.loads(files[0].read_text()) if files else None
+
+    return _wait_for(found, 60, "the job file")
+
+
+def _pid_files(tmp_path, n):
+    def found():
+        files = sorted(tmp_path.glob("pid-*"))
+        return [int(f.read_text()) for f in files] if len(files) == n else None
+
+    return _wait_for(found, 60, "the workers' pid files")
+
+
+SLEEPER = """
+    import os, sys, time
+    open(os.path.join(sys.argv[1], "pid-" + os.environ["RANK"]), "w").write(str(os.getpid()))
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_plain_script_exit_code(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        time.sleep(0.3)
+        sys.exit(3 * int(os.environ["RANK"]))
+    """,
+    )
+    result = run(["--nproc-per-node", "2", script], tmp_path, timeout=60)
+    fault = result.summary["faults"][0]
+    assert result.returncode == 1
+    assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "exit", "exit code 3")
+    assert fault["step"] is None and "before its first step" in result.last_lines[-2]
+
+
+def test_external_sigkill(tmp_path):
+    proc = start_run(
+        ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
+    )
+    pids = _pid_files(tmp_path, 2)
+    os.kill(pids[1], signal.SIGKILL)
+    result = finish_run(proc, tmp_path, timeout=60)
+    fault = result.summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "signal", "SIGKILL")
+    assert result.returncode == 1 and result.summary["worker_pids"]["1"] == [pids[1]]
+
+
+def test_hang_without_steps(tmp_path):
+    # a worker that joined with xmig.init() but never reaches session.steps(): still no hang
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        import xmig
+        xmig.init()
+        open(os.path.join(sys.argv[1], "pid-" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        time.sleep(60)
+    """,
+    )
+    proc = start_run(
+        ["--nproc-per-node", "2", "--heartbeat-timeout", "1.5", script, str(tmp_path)], tmp_path
+    )
+    pids = _pid_files(tmp_path, 2)
+    os.kill(pids[0], signal.SIGSTOP)
+    result = finish_run(proc, tmp_path, timeout=60)
+    fault = result.summary["faults"][0]
+    assert (fault["rank"], fault["kind"]) == (0, "hang")
+    assert fault["fault_time_source"] == "last_heartbeat"
+    assert fault["detected_after_s"] < 1.5 + 1.0
+
+
+def test_lost_agent_stops_the_job(tmp_path):
+    proc = start_run(
+        ["--nnodes", "2", "--nproc-per-node", "1", _script(tmp_path, SLEEPER), str(tmp_path), "60"],
+        tmp_path,
+    )
+    _pid_files(tmp_path, 2)
+    launcher = psutil.Process(proc.pid)
+    agent = _wait_for(
+        lambda: [
+            p for p in launcher.children() if "xmig.agent" in p.cmdline() and p.cmdline()[-1] == "1"
+        ],
+        30,
+        "the agent of node 1",
+    )[0]
+    agent.kill()
+    result = finish_run(proc, tmp_path, timeout=60)
+    fault = result.summary["faults"][0]
+    assert fault["kind"] == "agent_lost" and fault["node"] == 1
+    assert result.returncode == 1
+
+
+def test_interrupt_stops_everything(tmp_path):
+    proc = start_run(
+        ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
+    )
+    _pid_files(tmp_path, 2)
+    proc.send_signal(signal.SIGINT)
+    result = finish_run(proc, tmp_path, timeout=60)
+    assert result.returncode == 130
+    assert "interrupted by SIGINT" in result.summary["message"]
+
+
+def test_killed_launcher_takes_the_job_with_it(tmp_path):
+    proc = start_run(
+        ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
+    )
+    job = _job_file(tmp_path)
+    _pid_files(tmp_path, 2)
+    assert len(job_processes(job["job_id"])) >= 4  # coordinator, agent, two workers
+    proc.kill()
+    proc.communicate(timeout=30)
+    _wait_for(lambda: not job_processes(job["job_id"]), 15, "the job's processes to end")
+
+
+def test_inject_at_run_time(tmp_path):
+    proc = start_run(
+        ["--nproc-per-node", "2", str(DEMO), "--steps", "400", "--step-sleep", "0.05", "--quiet"],
+        tmp_path,
+    )
+    job = _job_file(tmp_path)
+    env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
+    _wait_for(lambda: "step " in xmig("status", env=env).stdout, 60, "the first steps")
+    wrong = xmig("inject", "kill:rank=1", "--token", "0" * 64, env=env)
+    assert wrong.returncode == 2 and "wrong job token" in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1
+    bad = xmig("inject", "kill:rank=1:step=0", env=env)
+    assert bad.returncode == 2 and "already at step" in bad.stderr
+    ok = xmig("inject", "exit:rank=1:at=boundary:code=9", "--job", job["job_id"], env=env)
+    assert ok.returncode == 0, ok.stderr
+    result = finish_run(proc, tmp_path, timeout=90)
+    fault = result.summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "exit", "exit code 9")
+    assert fault["injected"]["at"] == "boundary"
+    assert_all_gone(result.summary)
+    assert REPO.exists()

@@ -1,0 +1,66 @@
+"""Fault specifications: what parses, what is refused and why."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from xmig.faults import FaultSpec, FaultSpecError, parse_fault, parse_faults
+
+
+def test_full_spec():
+    spec = parse_fault("exit:rank=2:step=7:at=optimizer:code=5")
+    assert spec == FaultSpec(kind="exit", rank=2, step=7, at="optimizer", code=5)
+
+
+def test_defaults_and_collective():
+    assert parse_fault("kill:rank=0:step=1").at == "backward"
+    spec = parse_fault("raise:rank=1:step=3:at=collective=4")
+    assert spec.collective == 4 and spec.at == "collective=4"
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("boom:rank=0:step=1", "unknown fault kind"),
+        ("kill:step=1", "missing rank"),
+        ("kill:rank=0", "missing step"),
+        ("kill:rank=x:step=1", "not a whole number"),
+        ("kill:rank=-1:step=1", "must be >= 0"),
+        ("kill:rank=0:step=1:at=sideways", "unknown point"),
+        ("kill:rank=0:step=1:at=collective", "needs an index"),
+        ("kill:rank=0:step=1:at=collective=z", "not a whole number"),
+        ("kill:rank=0:step=1:code=3", "only to exit"),
+        ("kill:rank=0:step=1:color=red", "unknown field"),
+        ("kill:rank=0:rank=1:step=1", "given twice"),
+        ("kill:rank0:step=1", "expected key=value"),
+        ("exit:rank=0:step=1:code=300", "<= 255"),
+    ],
+)
+def test_malformed(text, reason):
+    with pytest.raises(FaultSpecError, match=reason):
+        parse_fault(text)
+
+
+def test_rank_outside_world():
+    with pytest.raises(FaultSpecError, match="does not exist"):
+        parse_faults(["kill:rank=2:step=1"], world_size=2)
+
+
+def test_step_optional_for_running_jobs():
+    assert parse_fault("hang:rank=0", require_step=False).step is None
+
+
+@given(
+    kind=st.sampled_from(["kill", "exit", "raise", "hang"]),
+    rank=st.integers(0, 4096),
+    step=st.integers(0, 10**9),
+    at=st.one_of(
+        st.sampled_from(["forward", "backward", "optimizer", "boundary"]),
+        st.integers(0, 999).map(lambda k: f"collective={k}"),
+    ),
+    code=st.integers(1, 255),
+)
+def test_text_round_trip(kind, rank, step, at, code):
+    spec = FaultSpec(kind, rank, step, at, code if kind == "exit" else 1)
+    assert parse_fault(str(spec)) == spec
+    assert FaultSpec.from_json(spec.to_json()) == spec
