@@ -21,7 +21,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("spec, world, kind, detail", CASES, ids=[c[0] for c in CASES])
-def test_injected_fault_is_reported(tmp_path, spec, world, kind, detail):
+def test_injected_fault_is_reported(tmp_path, measure, spec, world, kind, detail):
     result = run(
         [
             "--nproc-per-node",
@@ -50,7 +50,7 @@ def test_injected_fault_is_reported(tmp_path, spec, world, kind, detail):
     assert fault["injected"]["kind"] == spec.split(":")[0]
     assert fault["fault_time_source"] == "injection"
     latency = fault["detected_after_s"]
-    print(f"\n{spec}: detected after {latency * 1000:.1f} ms")
+    measure(f"{spec} (world {world}): detected after {latency * 1000:.1f} ms")
     if kind == "hang":
         assert HB_TIMEOUT <= latency < HB_TIMEOUT + 1.0
     else:
@@ -61,3 +61,16 @@ def test_injected_fault_is_reported(tmp_path, spec, world, kind, detail):
     last = result.last_lines
     assert "FAILED" in last[-2] and f"rank {rank}" in last[-2] and f"step {step}" in last[-2]
     assert "exit code 1" in last[-1]
+
+
+def test_hang_with_default_heartbeat(tmp_path, measure):
+    result = run(
+        ["--nproc-per-node", "2", "--inject", "hang:rank=0:step=1:at=forward", str(DEMO),
+         "--steps", "4", "--quiet"],
+        tmp_path,
+    )  # fmt: skip
+    fault = result.summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["step"]) == (0, "hang", 1)
+    assert 3.0 <= fault["detected_after_s"] < 5.0  # the default timeout is 3 s
+    measure(f"hang, default heartbeat (0.5 s / 3 s): detected after "
+            f"{fault['detected_after_s']:.3f} s")  # fmt: skip

@@ -66,7 +66,7 @@ def test_plain_script_exit_code(tmp_path):
     assert fault["step"] is None and "before its first step" in result.last_lines[-2]
 
 
-def test_external_sigkill(tmp_path):
+def test_external_sigkill(tmp_path, measure):
     proc = start_run(
         ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
     )
@@ -76,9 +76,10 @@ def test_external_sigkill(tmp_path):
     fault = result.summary["faults"][0]
     assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "signal", "SIGKILL")
     assert result.returncode == 1 and result.summary["worker_pids"]["1"] == [pids[1]]
+    measure(f"external SIGKILL of a worker: job stopped {result.summary['stop_s']:.3f} s after")
 
 
-def test_hang_without_steps(tmp_path):
+def test_hang_without_steps(tmp_path, measure):
     # a worker that joined with xmig.init() but never reaches session.steps(): still no hang
     script = _script(
         tmp_path,
@@ -100,6 +101,10 @@ def test_hang_without_steps(tmp_path):
     assert (fault["rank"], fault["kind"]) == (0, "hang")
     assert fault["fault_time_source"] == "last_heartbeat"
     assert fault["detected_after_s"] < 1.5 + 1.0
+    measure(
+        f"external SIGSTOP, heartbeat timeout 1.5 s: detected "
+        f"{fault['detected_after_s']:.3f} s after the last heartbeat"
+    )
 
 
 def test_lost_agent_stops_the_job(tmp_path):

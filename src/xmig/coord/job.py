@@ -40,8 +40,15 @@ class JobSpec:
         return cls(**data)
 
 
+DETAIL_CHARS = 200
+
+
 def describe_fault(record: dict[str, Any]) -> str:
     """One human line for a fault record."""
+    detail = str(record["detail"]).strip().splitlines()[0] if record["detail"] else "?"
+    if len(detail) > DETAIL_CHARS:
+        detail = detail[: DETAIL_CHARS - 1] + "…"
+    record = {**record, "detail": detail}
     how = {
         "signal": f"killed by {record['detail']}",
         "exit": f"exited with {record['detail']}",
