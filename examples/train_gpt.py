@@ -197,7 +197,8 @@ class PlainSession:
             reseed(self.seed, self.rank, step)
             yield step
         if self.rank == 0:
-            print(f"final params sha256 {params_sha256(self.objects['model'])}", flush=True)
+            model = self.objects["model"]
+            print(f"final params sha256 {params_sha256(model.module)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         bucket_cap_mb=args.bucket_cap_mb,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    session.register(model=model, optimizer=optimizer)
+    # the DDP module, not the bare model: its bucket layout is part of a rank's state
+    session.register(model=ddp, optimizer=optimizer)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(

@@ -17,6 +17,9 @@ NODE_RANK = "XMIG_NODE_RANK"
 HEARTBEAT_INTERVAL = "XMIG_HEARTBEAT_INTERVAL"
 INJECT = "XMIG_INJECT"
 ATTEMPT = "XMIG_ATTEMPT"
+GENERATION = "XMIG_GENERATION"
+KEEP_LOG = "XMIG_KEEP_LOG"
+RECOVERY_TIMEOUT = "XMIG_RECOVERY_TIMEOUT"
 
 
 @dataclass
@@ -34,7 +37,15 @@ class WorkerEnv:
     node_rank: int = 0
     heartbeat_interval: float = 0.5
     attempt: int = 0
+    generation: int = 0
+    keep_log: bool = True
+    recovery_timeout: float = 120.0
     faults: list[FaultSpec] = field(default_factory=list)
+
+    @property
+    def replacement(self) -> bool:
+        """True for a process started to replace a failed rank (it joins a later generation)."""
+        return self.attempt > 0
 
     @property
     def managed(self) -> bool:
@@ -52,6 +63,9 @@ class WorkerEnv:
             "GROUP_RANK": str(self.node_rank),
             HEARTBEAT_INTERVAL: str(self.heartbeat_interval),
             ATTEMPT: str(self.attempt),
+            GENERATION: str(self.generation),
+            KEEP_LOG: "1" if self.keep_log else "0",
+            RECOVERY_TIMEOUT: str(self.recovery_timeout),
             INJECT: json.dumps([f.to_json() for f in self.faults]),
         }
         if self.job_id:
@@ -78,5 +92,8 @@ class WorkerEnv:
             node_rank=int(env.get(NODE_RANK, "0")),
             heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, "0.5")),
             attempt=int(env.get(ATTEMPT, "0")),
+            generation=int(env.get(GENERATION, "0")),
+            keep_log=env.get(KEEP_LOG, "1") != "0",
+            recovery_timeout=float(env.get(RECOVERY_TIMEOUT, "120")),
             faults=faults,
         )

@@ -1,9 +1,15 @@
-"""The worker-side entry: ``xmig.init()`` and the step boundary ``session.steps()``."""
+"""The worker-side entry: ``xmig.init()``, the step boundary ``session.steps()``, and the
+worker's half of in-place recovery (park, rebuild, serve or receive the state, replay)."""
 
 from __future__ import annotations
 
 import atexit
+import copy
+import os
+import queue
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -15,15 +21,21 @@ from xmig.agent.link import AgentLink
 from xmig.ccl import BACKENDS, Communicator
 from xmig.faults import FaultSpec, Injector
 from xmig.jobenv import WorkerEnv
-from xmig.proxy import ProxyProcessGroup
-from xmig.state import params_sha256, reseed
+from xmig.proxy import ProxyProcessGroup, ReplayMismatch
+from xmig.state import ddp as ddp_state
+from xmig.state import params_sha256, recv_state, reseed, send_state
 
 BACKEND_NAME = "xmig"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+STATE_LOCK_TIMEOUT_S = 60.0
 
 
 class XmigError(RuntimeError):
     """A misuse of xmig's worker API, with what to do about it."""
+
+
+class RecoveryFailed(RuntimeError):
+    """This worker could not take part in a recovery; the job stops."""
 
 
 class Session:
@@ -36,20 +48,35 @@ class Session:
         self.local_rank = env.local_rank
         self.seed = seed
         self.backend = backend
+        self.timeout = timeout
         self.step: int | None = None
+        self.first_step: int | None = None
         self.completed_steps = 0
         self.objects: dict[str, Any] = {}
         self._hooks: list[Any] = []
+        self._snapshots: dict[str, Any] = {}
+        # held while the optimizer steps and while a recovery reads or replaces the state
+        self.state_lock = threading.Lock()
+        self.optimizer_stepped = False
+        self.ddp_layout: list[torch.Tensor] | None = None
+        self._redo_from: int | None = None
+        self._stash: dict[str, Any] | None = None
+        self._plans: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._recoveries_started = 0
+        self._suppressed_step = False
+        self._optimizer_waiting = False
         self.link: AgentLink | None = None
         self.injector = Injector(env.rank, announce=self._announce)
         for fault in env.faults:
             self.injector.add(fault)
         if env.managed:
-            self.link = AgentLink(env, on_inject=self.injector.add)
+            self.link = AgentLink(env, on_inject=self.injector.add, on_plan=self._on_plan)
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         self.proxy = self._init_process_group(timeout)
         self.process_group: dist.ProcessGroup = dist.group.WORLD
+        if self.link is not None:
+            threading.Thread(target=self._recovery_loop, name="xmig-recovery", daemon=True).start()
         atexit.register(self.close)
 
     @property
@@ -64,6 +91,7 @@ class Session:
             self.link.announce_fault(spec)
         print(f"xmig: rank {self.rank} injecting fault {spec}", file=sys.stderr, flush=True)
 
+    # ---- process group ----------------------------------------------------------------------
     def _init_process_group(self, timeout: timedelta) -> ProxyProcessGroup:
         if dist.is_initialized():
             raise XmigError(
@@ -74,8 +102,18 @@ class Session:
         created: list[ProxyProcessGroup] = []
 
         def create(store: dist.Store, rank: int, size: int, pg_timeout: timedelta) -> Any:
-            communicator = Communicator(self.backend, "world", 0, store, rank, size, pg_timeout)
-            proxy = ProxyProcessGroup(communicator, before_op=self.injector.at_collective)
+            self.store = store
+            communicator = Communicator(
+                self.backend, "world", self.env.generation, store, rank, size, pg_timeout
+            )
+            proxy = ProxyProcessGroup(
+                communicator,
+                before_op=self.injector.at_collective,
+                keep_log=self.env.keep_log,
+                on_trouble=self._on_trouble,
+                # a replacement serves its prologue (DDP's construction) locally
+                mode="local" if self.env.replacement else "normal",
+            )
             created.append(proxy)
             return proxy
 
@@ -87,12 +125,9 @@ class Session:
                 self.env.master_addr, self.env.master_port, is_master=False, timeout=timeout
             )
             dist.init_process_group(
-                BACKEND_NAME,
-                store=store,
-                rank=self.rank,
-                world_size=self.world_size,
+                BACKEND_NAME, store=store, rank=self.rank, world_size=self.world_size,
                 timeout=timeout,
-            )
+            )  # fmt: skip
         elif self.env.master_port:
             dist.init_process_group(
                 BACKEND_NAME, rank=self.rank, world_size=self.world_size, timeout=timeout
@@ -107,9 +142,11 @@ class Session:
             torch.cuda.set_device(self.device)
         return created[0]
 
+    # ---- registered state -------------------------------------------------------------------
     def register(self, **objects: Any) -> None:
-        """Hand xmig the job's state: ``model=`` (hashed at the end), ``optimizer=``, and any
-        other object with ``state_dict``/``load_state_dict`` (an LR scheduler, a data loader)."""
+        """Hand xmig the job's state: ``model=`` (the DDP-wrapped module, so its bucket layout
+        travels too; hashed at the end), ``optimizer=``, and any other object with
+        ``state_dict``/``load_state_dict`` (an LR scheduler, a data sampler)."""
         for name, obj in objects.items():
             if name == "model" and not isinstance(obj, torch.nn.Module):
                 raise XmigError(f"model= must be a torch.nn.Module, got {type(obj).__name__}")
@@ -124,7 +161,24 @@ class Session:
         # hash and hook the user's module, not a DDP wrapper around it
         return getattr(model, "module", model) if model is not None else None
 
-    def _install_fault_hooks(self) -> None:
+    def _ddp(self) -> Any:
+        return ddp_state.find_ddp(self.objects.get("model"))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a replacement needs, as of now (call with the state lock held)."""
+        state: dict[str, Any] = {}
+        for name, obj in self.objects.items():
+            state[name] = obj.state_dict()
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for name, obj in self.objects.items():
+            if name not in state:
+                raise RecoveryFailed(f"the peer's state has no {name!r}")
+            obj.load_state_dict(state[name])
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
         pending = self.injector.pending
         needs = {spec.at for spec in pending}
         model = self._model()
@@ -152,35 +206,97 @@ class Session:
                         lambda _p: self.injector.at_point(self.step, "backward")
                     )
                 )
-        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
-            self._hooks.append(
-                optimizer.register_step_pre_hook(
-                    lambda _o, _a, _k: self.injector.at_point(self.step, "optimizer")
-                )
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer))
+            self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer))
+
+    def _before_optimizer(self, *_args: Any) -> None:
+        self.injector.at_point(self.step, "optimizer")
+        # a recovery in progress must not see half-updated parameters
+        self._optimizer_waiting = True
+        acquired = self.state_lock.acquire(timeout=self.env.recovery_timeout)
+        self._optimizer_waiting = False
+        if not acquired:
+            raise RecoveryFailed("the optimizer waited too long for a recovery to finish")
+        if self._suppressed_step:
+            self.state_lock.release()
+            raise RecoveryFailed(
+                "a rollback was decided while this rank's optimizer was starting its update, "
+                "which cannot be undone"
             )
 
+    def _after_optimizer(self, *_args: Any) -> None:
+        self.optimizer_stepped = True
+        self.state_lock.release()
+
+    # ---- the step loop ----------------------------------------------------------------------
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yield step numbers ``start … total-1``; each boundary reseeds RNGs from
-        (seed, rank, step), reports progress to the agent and fires due faults."""
+        (seed, rank, step), reports progress to the agent and fires due faults. A replacement
+        process first pulls its state from a peer and starts at the survivors' step."""
         if total < 0 or start < 0 or start > total:
             raise XmigError(f"bad step range: start={start}, total={total}")
-        self._install_fault_hooks()
+        self._install_hooks()
+        step = start
+        if self.env.replacement:
+            step = self._join()
+        if self.first_step is None:
+            self.first_step = start
         try:
-            for step in range(start, total):
-                self.step = step
-                reseed(self.seed, self.rank, step)
-                self.proxy.begin_step(step)
+            while step < total:
+                with self.state_lock:
+                    self._snapshot_objects()
+                    self.step = step
+                    self.optimizer_stepped = False
+                    reseed(self.seed, self.rank, step)
+                    self.proxy.begin_step(step)
                 if self.link is not None:
                     self.link.report_step(step)
                 self.injector.at_point(step, "boundary")
                 yield step
-                self.completed_steps = step + 1
+                step = self._end_of_step(step)
             self.injector.at_point(total, "boundary")
         finally:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
         self._finish(total)
+
+    def _end_of_step(self, step: int) -> int:
+        """The boundary after ``step``: the next step, or an earlier one to redo."""
+        self.completed_steps = step + 1
+        ddp = self._ddp()
+        # DDP rebuilds its buckets in its second iteration; look only then (the framework is
+        # quiet at the boundary: DDP must not be asked while a backward waits inside it)
+        if ddp is not None and self.ddp_layout is None and step <= (self.first_step or 0) + 3:
+            if ddp_state.has_rebuilt(ddp):
+                self.ddp_layout = ddp_state.rebuild_payloads(self.proxy.int_broadcasts)
+        if self._redo_from is None:
+            return step + 1
+        with self.state_lock:
+            redo, self._redo_from = self._redo_from, None
+            optimizer = self.objects.get("optimizer")
+            if self._suppressed_step and optimizer is not None:
+                del optimizer.step  # the class's step again
+                self._suppressed_step = False
+            if self._stash is not None:
+                self.load_state(self._stash)
+                self._stash = None
+            elif redo == step:
+                self._restore_objects()
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            self.proxy.resume("normal")
+        return redo
+
+    def _snapshot_objects(self) -> None:
+        for name, obj in self.objects.items():
+            if name not in ("model", "optimizer"):
+                self._snapshots[name] = copy.deepcopy(obj.state_dict())
+
+    def _restore_objects(self) -> None:
+        for name, saved in self._snapshots.items():
+            self.objects[name].load_state_dict(saved)
 
     def params_sha256(self) -> str | None:
         """The fingerprint of the registered model's parameters, or None without a model."""
@@ -196,6 +312,210 @@ class Session:
         if self.link is not None:
             self.link.report_done(total, fingerprint)
 
+    # ---- recovery: survivors ----------------------------------------------------------------
+    def _on_trouble(self, error: str) -> None:
+        """A collective failed; the proxy holds the framework. Tell the agent, get ready."""
+        if self.link is None:
+            print(f"xmig: rank {self.rank}: collective failed and no agent can help: {error}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(1)
+        self.link.report_comm_error(error, self.step, self.proxy.generation)
+        started = self._recoveries_started
+        threading.Thread(target=self._trouble_watchdog, args=(started,), daemon=True).start()
+
+    def _trouble_watchdog(self, started: int) -> None:
+        time.sleep(self.env.recovery_timeout)
+        if self._recoveries_started == started:
+            self._die(f"a collective failed and no recovery began within "
+                      f"{self.env.recovery_timeout:.0f} s")  # fmt: skip
+
+    def _on_plan(self, plan: dict[str, Any]) -> None:
+        self._plans.put(plan)
+
+    def _recovery_loop(self) -> None:
+        while True:
+            plan = self._plans.get()
+            if plan.get("op") != "park":
+                continue  # a stale order of an earlier generation
+            self._recoveries_started += 1
+            try:
+                self._recover(plan)
+            except Exception as exc:
+                self._die(f"recovery failed: {type(exc).__name__}: {exc}")
+
+    def _die(self, text: str) -> None:
+        print(f"xmig: rank {self.rank}: {text}", file=sys.stderr, flush=True)
+        if self.link is not None:
+            self.link.report("recovery_failed", error=text)
+        time.sleep(0.2)
+        os._exit(1)
+
+    def _next_plan(self, op: str, generation: int | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + self.env.recovery_timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RecoveryFailed(f"no {op} order within {self.env.recovery_timeout:.0f} s")
+            try:
+                plan = self._plans.get(timeout=left)
+            except queue.Empty:
+                continue
+            if plan.get("op") == "abort":
+                raise RecoveryFailed(str(plan.get("reason", "the coordinator gave up")))
+            if plan.get("op") == op and (generation is None or plan["generation"] == generation):
+                return plan
+
+    def _position(self) -> dict[str, Any]:
+        """Where this rank stands, for the coordinator's choice of step, source and mode."""
+        state_step = None
+        if self.step is not None:
+            state_step = self.step + 1 if self.optimizer_stepped else self.step
+        log_from = None
+        if self.step is not None:
+            log_from = max(self.step - 1, self.first_step or 0)
+        signatures: dict[str, list[str]] = {}
+        if self.step is not None and self.env.keep_log:
+            for record in self.proxy.logged(log_from or 0):
+                signatures.setdefault(str(record.step), []).append(record.signature)
+        return {
+            "step": self.step,
+            "state_step": state_step,
+            "log_from": log_from,
+            "keep_log": self.env.keep_log,
+            "signatures": signatures,
+            "pending": len(self.proxy.pending()),
+            "optimizer_waiting": self._optimizer_waiting,
+        }
+
+    def _recover(self, park: dict[str, Any]) -> None:
+        assert self.link is not None
+        generation = int(park["generation"])
+        started = time.monotonic()
+        if not self.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
+            raise RecoveryFailed("the framework held the state lock too long")
+        try:
+            self.proxy.halt()
+            self.link.report("parked", generation=generation, position=self._position())
+            plan = self._next_plan("rebuild", generation)
+            parked = time.monotonic()
+            communicator = Communicator(
+                self.backend, "world", generation, self.store, self.rank, self.world_size,
+                self.timeout,
+            )  # fmt: skip
+            rebuilt = time.monotonic()
+            pull = self._serve_or_receive(plan)
+            pulled = time.monotonic()
+            self.proxy.switch(communicator)
+            replay_s = 0.0
+            if plan["mode"] == "replay":
+                replay_s = self.proxy.replay(int(plan["step"]), self.env.recovery_timeout)
+                self.proxy.resume()
+            else:
+                self._void(int(plan["step"]))
+        finally:
+            self.state_lock.release()
+        self.link.report(
+            "recovered",
+            generation=generation,
+            role="survivor",
+            phases={
+                "park": parked - started,
+                "rebuild": rebuilt - parked,
+                "pull": pulled - rebuilt,
+                "replay": replay_s,
+            },
+            pull=pull,
+            t_resumed=time.time(),
+        )
+
+    def _serve_or_receive(self, plan: dict[str, Any]) -> dict[str, Any] | None:
+        generation = int(plan["generation"])
+        pulls = [int(r) for r in plan.get("pulls", [])]
+        if int(plan["source"]) == self.rank and pulls:
+            total_bytes, seconds = 0, 0.0
+            state = self._outgoing_state(plan)
+            for target in pulls:
+                pair = Communicator(self.backend, f"pull{target}", generation, self.store, 0, 2,
+                                    self.timeout)  # fmt: skip
+                stats = send_state(pair, state, self.device)
+                total_bytes += stats.bytes
+                seconds += stats.seconds
+            return {"role": "source", "bytes": total_bytes, "seconds": seconds}
+        if self.rank in pulls:
+            pair = Communicator(self.backend, f"pull{self.rank}", generation, self.store, 1, 2,
+                                self.timeout)  # fmt: skip
+            incoming, stats = recv_state(pair, self.device, self.device)
+            self._stash = incoming["state"]
+            return {"role": "receiver", "bytes": stats.bytes, "seconds": stats.seconds}
+        return None
+
+    def _outgoing_state(self, plan: dict[str, Any]) -> dict[str, Any]:
+        step = int(plan["step"])
+        ddp_info: dict[str, Any] = {"layout": self.ddp_layout, "in_step": None}
+        if self._ddp() is not None and self.ddp_layout is None:
+            seen = self.proxy.int_broadcasts
+            earlier = [(s, t) for s, t in seen if s is not None and s < step]
+            # rebuilt in an earlier step (DDP's own flag lags an iteration), or in this one
+            ddp_info["layout"] = ddp_state.rebuild_payloads(earlier)
+            if ddp_info["layout"] is None:
+                ddp_info["in_step"] = ddp_state.rebuild_payloads(seen, step)
+        signatures = [r.signature for r in self.proxy.logged(step) if r.step == step]
+        return {
+            "step": step,
+            "mode": plan["mode"],
+            "first_step": self.first_step,
+            "state": self.state_dict(),
+            "ddp": ddp_info,
+            "signatures": signatures if plan["mode"] == "replay" else None,
+        }
+
+    def _void(self, resume_step: int) -> None:
+        """Rollback: finish the current step without the network or an optimizer update,
+        then continue from ``resume_step`` with the state as of its start."""
+        optimizer = self.objects.get("optimizer")
+        if optimizer is not None and not self.optimizer_stepped:
+            optimizer.step = lambda *_a, **_k: None  # this step's update must not happen
+            self._suppressed_step = True
+        self._redo_from = resume_step
+        self.proxy.void()
+
+    # ---- recovery: the replacement ----------------------------------------------------------
+    def _join(self) -> int:
+        """Receive the state from a peer, match its DDP, and return the step to start at."""
+        started = time.monotonic()
+        pair = Communicator(self.backend, f"pull{self.rank}", self.env.generation, self.store,
+                            1, 2, self.timeout)  # fmt: skip
+        incoming, stats = recv_state(pair, self.device, self.device)
+        self.load_state(incoming["state"])
+        step = int(incoming["step"])
+        self.first_step = incoming["first_step"]
+        ddp = self._ddp()
+        ddp_info = incoming["ddp"]
+        if ddp is not None:
+            if ddp_info["layout"] is not None:
+                self.proxy.served.extend(ddp_info["layout"])
+                if not ddp_state.rebuild_now(ddp):
+                    raise RecoveryFailed("DDP refused to take its peers' bucket layout")
+                self.ddp_layout = ddp_info["layout"]
+            elif step > int(incoming["first_step"] or 0):
+                ddp_state.prepare_rebuild(ddp)  # its peers rebuild in this very step
+                for index, payload in enumerate(ddp_info["in_step"] or []):
+                    self.proxy.overrides[(step, index)] = payload
+        if incoming["signatures"] is not None:
+            self.proxy.expected[step] = incoming["signatures"]
+        self.proxy.resume("normal")
+        if self.link is not None:
+            self.link.report(
+                "recovered",
+                generation=self.env.generation,
+                role="replacement",
+                phases={"pull": stats.seconds, "join": time.monotonic() - started},
+                pull={"role": "receiver", "bytes": stats.bytes, "seconds": stats.seconds},
+                t_resumed=time.time(),
+            )
+        return step
+
+    # ---- ending -----------------------------------------------------------------------------
     def _excepthook(self, exc_type: type, exc: BaseException, tb: Any) -> None:
         if self.link is not None and not isinstance(exc, KeyboardInterrupt):
             self.link.report_error(exc)
@@ -206,8 +526,6 @@ class Session:
         if self.link is not None:
             self.link.close()
             self.link = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 _session: Session | None = None
@@ -242,3 +560,6 @@ def init(
         raise XmigError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
     _session = Session(WorkerEnv.from_environ(), seed, backend, timeout)
     return _session
+
+
+__all__ = ["RecoveryFailed", "ReplayMismatch", "Session", "XmigError", "init"]

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from xmig.faults.spec import FaultSpec
@@ -35,7 +35,6 @@ class Worker:
     last_beat_wall: float | None = None
     step: int | None = None
     announced: dict[str, Any] | None = None  # the injected fault it said it is carrying out
-    pending_faults: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -65,6 +64,7 @@ class Agent:
         self.token = token
         self.node_rank = node_rank
         self.workers: dict[int, Worker] = {}
+        self.fired: dict[int, list[dict[str, Any]]] = {}  # injected faults already carried out
         self.job: dict[str, Any] = {}
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -99,12 +99,25 @@ class Agent:
             if op == "hello":
                 worker.peer = peer
                 worker.state = "running"
+                self._post(
+                    "forward",
+                    (
+                        "worker_joined",
+                        {"rank": rank, "pid": worker.pid, "attempt": worker.attempt, "t": wall},
+                    ),
+                )
             elif op in ("hb", "step"):
                 if msg.get("step") is not None and msg.get("step") != worker.step:
                     worker.step = msg["step"]
                     self._post("progress", (rank, worker.step))
             elif op == "injecting":
                 worker.announced = {"fault": msg["fault"], "t": msg["t"], "step": msg.get("step")}
+                self.fired.setdefault(rank, []).append(msg["fault"])
+            elif op == "comm_error":
+                self._post("comm_error", (rank, worker.pid, msg, wall))
+            elif op in ("parked", "recovered", "recovery_failed"):
+                fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
+                self._post("forward", (op, {"rank": rank, **fields}))
             elif op == "error":
                 self._post("worker_error", (rank, worker.pid, msg, wall))
             elif op == "done":
@@ -167,6 +180,34 @@ class Agent:
                 steps=msg.get("steps"),
                 params_sha256=msg.get("params_sha256"),
             )
+        elif kind == "comm_error":
+            rank, pid, msg, wall = data
+            worker = self.workers.get(rank)
+            if worker is not None and worker.pid == pid:
+                self._report_fault(
+                    worker,
+                    "comm_error",
+                    msg.get("error", "?"),
+                    wall,
+                    step=msg.get("step"),
+                    generation=msg.get("generation"),
+                )
+        elif kind == "forward":
+            op, fields = data
+            self._notify(op, **fields)
+        elif kind in ("park", "rebuild", "abort"):
+            for worker in self.workers.values():
+                if worker.peer is not None and worker.state in ("running", "done"):
+                    worker.peer.push(data)
+        elif kind == "respawn":
+            rank = int(data["rank"])
+            old = self.workers.get(rank)
+            self._spawn(
+                rank,
+                rank - self.node_rank * int(self.job["nproc_per_node"]),
+                attempt=(old.attempt + 1) if old else 1,
+                generation=int(data["generation"]),
+            )
         elif kind == "inject":
             self._deliver_fault(msg=data)
         elif kind == "stop":
@@ -193,9 +234,11 @@ class Agent:
             self._post("coord_lost")
 
     # ---- workers --------------------------------------------------------------------------
-    def _spawn(self, rank: int, local_rank: int, attempt: int) -> Worker:
+    def _spawn(self, rank: int, local_rank: int, attempt: int, generation: int = 0) -> Worker:
         job = self.job
-        faults = [FaultSpec.from_json(f) for f in job["faults"] if f["rank"] == rank]
+        fired = self.fired.get(rank, [])
+        faults = [FaultSpec.from_json(f) for f in job["faults"] if f["rank"] == rank
+                  and f not in fired]  # fmt: skip
         assert self.server is not None
         env = WorkerEnv(
             rank=rank,
@@ -209,6 +252,9 @@ class Agent:
             node_rank=self.node_rank,
             heartbeat_interval=float(job["heartbeat_interval"]),
             attempt=attempt,
+            generation=generation,
+            keep_log=bool(job.get("keep_log", True)),
+            recovery_timeout=float(job.get("recovery_timeout", 120.0)),
             faults=faults,
         )
         environ = dict(os.environ)
@@ -247,6 +293,11 @@ class Agent:
         previous, worker.state = worker.state, "exited"
         if previous in ("stopping", "faulted"):
             return
+        if returncode != 0 and previous == "done":
+            kind, detail = describe_exit(returncode)
+            print(f"xmig: rank {rank} finished its steps, then exited with {detail}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            returncode = 0
         if returncode == 0:
             self._notify("worker_exited", rank=rank, pid=worker.pid, t=detected)
             return
@@ -254,9 +305,15 @@ class Agent:
         self._report_fault(worker, kind, detail, detected)
 
     def _report_fault(
-        self, worker: Worker, kind: str, detail: str, detected: float, step: int | None = None
+        self,
+        worker: Worker,
+        kind: str,
+        detail: str,
+        detected: float,
+        step: int | None = None,
+        generation: int | None = None,
     ) -> None:
-        announced = worker.announced
+        announced, worker.announced = worker.announced, None
         if announced is not None:
             t_fault, source = announced["t"], "injection"
         elif kind == "hang" and worker.last_beat_wall is not None:
@@ -278,6 +335,7 @@ class Agent:
             "t_detected": detected,
             "fault_time_source": source,
             "detected_after_s": round(max(0.0, detected - t_fault), 6),
+            "generation": generation,
         }
         self._notify("fault", record=record)
 

@@ -25,11 +25,17 @@ class AgentLink:
     lost node never leaves orphaned workers behind.
     """
 
-    def __init__(self, env: WorkerEnv, on_inject: Callable[[FaultSpec], None]) -> None:
+    def __init__(
+        self,
+        env: WorkerEnv,
+        on_inject: Callable[[FaultSpec], None],
+        on_plan: Callable[[dict], None] | None = None,
+    ) -> None:
         assert env.agent_addr and env.token
         self.rank = env.rank
         self.step: int | None = None
         self._on_inject = on_inject
+        self._on_plan = on_plan
         self._closing = False
         self._client = Client(
             parse_address(env.agent_addr),
@@ -54,6 +60,8 @@ class AgentLink:
     def _on_push(self, msg: dict) -> None:
         if msg.get("op") == "inject":
             self._on_inject(FaultSpec.from_json(msg["fault"]))
+        elif msg.get("op") in ("park", "rebuild", "abort") and self._on_plan is not None:
+            self._on_plan(msg)
 
     def _on_lost(self) -> None:
         if self._closing:
@@ -81,6 +89,22 @@ class AgentLink:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         with contextlib.suppress(WireError, TimeoutError):
             self._client.call("error", error=text, step=self.step, t=time.time(), timeout=5.0)
+
+    def report_comm_error(self, error: str, step: int | None, generation: int) -> None:
+        """A collective failed in this (live) process; the proxy holds the framework."""
+        try:
+            self._client.notify(
+                "comm_error", error=error, step=step, generation=generation, t=time.time()
+            )
+        except WireError:
+            self._on_lost()
+
+    def report(self, op: str, **fields: object) -> None:
+        """A recovery report (parked, recovered, recovery_failed) for the coordinator."""
+        try:
+            self._client.notify(op, t=time.time(), **fields)
+        except WireError:
+            self._on_lost()
 
     def report_done(self, steps: int, params_sha256: str | None) -> None:
         """Report that the training loop finished ``steps`` steps."""

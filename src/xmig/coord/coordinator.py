@@ -11,12 +11,13 @@ from datetime import timedelta
 from typing import Any
 
 from xmig.coord.job import JobSpec, describe_fault
+from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
 from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from xmig.wire import Peer, Server, format_address
 
 # faults detected within this window of the first one are weighed together: the earliest is
 # the cause, the rest (peers failing because it died) are its consequences
-SETTLE_WINDOW_S = 0.2
+SETTLE_WINDOW_S = 0.1
 
 
 def log(text: str) -> None:
@@ -63,6 +64,9 @@ class Coordinator:
         self.primary: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.launchers: list[Peer] = []
+        self.joined: set[int] = set()
+        self.recovery: Recovery | None = None
+        self.recovery_deadline = 0.0
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.finished = threading.Event()
@@ -97,6 +101,8 @@ class Coordinator:
                 self.progress[int(msg["rank"])] = int(msg["step"])
             elif op == "worker_done":
                 self.done[int(msg["rank"])] = msg
+            elif op in ("worker_joined", "parked", "recovered", "recovery_failed"):
+                self._events.put((op, msg))
             elif op == "worker_exited":
                 self._events.put(("exited", int(msg["rank"])))
             elif op == "fault":
@@ -174,6 +180,7 @@ class Coordinator:
                             f"agents of nodes {missing} did not connect within "
                             f"{self.spec.agent_connect_timeout:.0f} s"
                         )
+                    self._check_recovery_deadline()
                 continue
             self._decide(kind, data)
 
@@ -182,7 +189,10 @@ class Coordinator:
             self._on_fault(data)
         elif kind == "agent_lost":
             with self._lock:
-                if self.status in ("running", "starting"):
+                if self.status in ("running", "starting", "recovering"):
+                    if self.status == "recovering":
+                        self._abort_recovery(f"the agent of node {data} was lost during recovery")
+                        return
                     ranks = [r for r, m in self.members.items() if m["node"] == data]
                     record = {
                         "rank": ranks[0] if ranks else -1,
@@ -209,9 +219,21 @@ class Coordinator:
                 self.exited.add(data)
                 if self.status == "running" and len(self.exited) == self.spec.world_size:
                     self._finish("completed")
+        elif kind == "worker_joined":
+            with self._lock:
+                self.joined.add(int(data["rank"]))
+                if self.recovery is not None:
+                    self.recovery.joined[int(data["rank"])] = float(data["t"])
+        elif kind in ("parked", "recovered", "recovery_failed"):
+            with self._lock:
+                self._on_recovery_report(kind, data)
         elif kind == "stop":
             with self._lock:
-                if self.status in ("running", "starting"):
+                if self.status in ("running", "starting", "recovering"):
+                    if self.recovery is not None:
+                        for agent in self.agents.values():
+                            agent.push({"op": "abort", "reason": data})
+                        self.recovery = None
                     self._stop_job(data)
         elif kind == "stopped":
             with self._lock:
@@ -220,12 +242,24 @@ class Coordinator:
 
     def _on_fault(self, record: dict[str, Any]) -> None:
         with self._lock:
+            stale = (
+                record.get("generation") is not None and int(record["generation"]) < self.generation
+            )
+            if record["kind"] == "comm_error" and (self.status == "recovering" or stale):
+                return  # a survivor noticing the fault that is being recovered from
+            if self.status == "recovering":
+                record["secondary"] = False
+                self.faults.append(record)
+                log(f"fault during recovery: {describe_fault(record)}")
+                self._abort_recovery("a second fault hit during recovery")
+                return
             if self.status not in ("running", "starting"):
                 record["secondary"] = True
                 self.faults.append(record)
                 return
         # let the immediate consequences of the same fault arrive, then pick the cause
         batch = [record]
+        others = []
         deadline = time.monotonic() + SETTLE_WINDOW_S
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -235,22 +269,120 @@ class Coordinator:
             if kind == "fault":
                 batch.append(data)
             else:
-                self._events.put((kind, data))
-                break
-        batch.sort(key=lambda r: r["t_fault"])
+                others.append((kind, data))
+        for event in others:
+            self._events.put(event)
+        deaths = sorted((r for r in batch if r["kind"] != "comm_error"), key=lambda r: r["t_fault"])
+        errors = sorted((r for r in batch if r["kind"] == "comm_error"), key=lambda r: r["t_fault"])
+        # a death explains the communication errors its peers saw; without one, the first
+        # communication error is the fault itself
+        ordered = deaths + errors
         with self._lock:
-            for i, item in enumerate(batch):
-                item["secondary"] = i > 0
+            for i, item in enumerate(ordered):
+                item["secondary"] = i > 0 and (item["kind"] == "comm_error" or not deaths)
                 self.faults.append(item)
-            self.primary = batch[0]
-            log(f"fault: {describe_fault(batch[0])}")
-            for item in batch[1:]:
-                log(f"  then: {describe_fault(item)}")
+            self.primary = ordered[0]
+            log(f"fault: {describe_fault(ordered[0])}")
+            for item in ordered[1:]:
+                if not item["secondary"]:
+                    log(f"  also: {describe_fault(item)}")
+            if self.status in ("running", "starting"):
+                self._start_recovery(ordered[0], sorted({r["rank"] for r in deaths}))
+
+    # ---- recovery ----------------------------------------------------------------------------
+    def _start_recovery(self, primary: dict[str, Any], replaced: list[int]) -> None:
+        why_not = self._why_no_recovery(primary, replaced)
+        if why_not is not None:
+            self.reason = why_not
+            log(f"no in-place recovery: {why_not}")
             self._stop_job("fault")
+            return
+        self.generation += 1
+        survivors = [r for r in range(self.spec.world_size) if r not in replaced]
+        self.recovery = Recovery(self.generation, primary, replaced, survivors)
+        self.recovery_deadline = time.monotonic() + self.spec.recovery_timeout
+        self.status = "recovering"
+        self.joined -= set(replaced)
+        park = {"op": "park", "generation": self.generation, "replaced": replaced}
+        for agent in self.agents.values():
+            agent.push(park)
+        for rank in replaced:
+            node = self.members[rank]["node"]
+            self.agents[node].push({"op": "respawn", "rank": rank, "generation": self.generation})
+        what = f"respawning rank {replaced}" if replaced else "rebuilding in place"
+        log(f"recovery to generation {self.generation}: {what}")
+
+    def _why_no_recovery(self, primary: dict[str, Any], replaced: list[int]) -> str | None:
+        if primary["kind"] == "agent_lost":
+            return "a whole node was lost and there is no spare node"
+        if len(self.recoveries) >= self.spec.max_recoveries:
+            return f"the job already recovered {len(self.recoveries)} times (--max-recoveries)"
+        unmanaged = sorted(set(range(self.spec.world_size)) - self.joined - set(replaced))
+        if unmanaged:
+            return f"rank {unmanaged[0]} never called xmig.init(), so it cannot be parked"
+        if len(replaced) >= self.spec.world_size:
+            return "every rank failed: no peer holds the state"
+        for done in self.recoveries[-2:]:
+            if replaced and done["ranks"] == replaced and done["step"] == primary.get("step"):
+                return (
+                    f"rank {replaced[0]} failed again at step {primary.get('step')}: "
+                    "a crash that repeats is not a fault to recover from"
+                )
+        return None
+
+    def _on_recovery_report(self, kind: str, data: dict[str, Any]) -> None:
+        recovery = self.recovery
+        rank = int(data["rank"])
+        if kind == "recovery_failed":
+            if recovery is not None:
+                self._abort_recovery(f"rank {rank} could not recover: {data.get('error')}")
+            return
+        if recovery is None or int(data.get("generation", -1)) != recovery.generation:
+            return
+        if kind == "parked":
+            recovery.parked[rank] = data["position"]
+            if recovery.plan is None and set(recovery.parked) >= set(recovery.survivors):
+                recovery.parked_at = time.time()
+                try:
+                    plan = plan_rebuild(recovery.parked, recovery.replaced, recovery.generation)
+                except RecoveryImpossible as exc:
+                    self._abort_recovery(str(exc))
+                    return
+                recovery.plan = plan
+                for agent in self.agents.values():
+                    agent.push(plan)
+        elif kind == "recovered":
+            recovery.recovered[rank] = data
+            if recovery.plan is not None and set(recovery.recovered) >= recovery.expected:
+                record = recovery.record()
+                self.recoveries.append(record)
+                self.recovery = None
+                self.status = "running"
+                log(describe_recovery(record))
+
+    def _abort_recovery(self, reason: str) -> None:
+        for agent in self.agents.values():
+            agent.push({"op": "abort", "reason": reason})
+        self.recovery = None
+        self.reason = reason
+        log(f"recovery impossible: {reason}")
+        self._stop_job("fault")
+
+    def _check_recovery_deadline(self) -> None:
+        recovery = self.recovery
+        if recovery is None or time.monotonic() <= self.recovery_deadline:
+            return
+        if recovery.plan is None:
+            missing = sorted(set(recovery.survivors) - set(recovery.parked))
+            self._abort_recovery(f"ranks {missing} did not park in time")
+        else:
+            missing = sorted(recovery.expected - set(recovery.recovered))
+            self._abort_recovery(f"ranks {missing} did not finish recovering in time")
 
     def _stop_job(self, reason: str) -> None:
         self.status = "stopping"
-        self.reason = reason
+        if reason != "fault" or self.reason is None:
+            self.reason = reason
         if reason != "fault":
             log(f"stopping the job: {reason}")
         self._stop_started = time.monotonic()
@@ -299,6 +431,8 @@ class Coordinator:
             fingerprint = None
             if self.primary is not None:
                 message = f"failed: {describe_fault(self.primary)}"
+                if self.reason not in (None, "fault"):
+                    message += f"; not recovered: {self.reason}"
             else:
                 message = f"failed: {self.reason}"
         return {

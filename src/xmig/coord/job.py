@@ -23,6 +23,9 @@ class JobSpec:
     heartbeat_timeout: float = 3.0
     stop_grace: float = 3.0
     agent_connect_timeout: float = 60.0
+    keep_log: bool = True
+    recovery_timeout: float = 120.0
+    max_recoveries: int = 10
 
     @property
     def world_size(self) -> int:
@@ -55,6 +58,7 @@ def describe_fault(record: dict[str, Any]) -> str:
         "hang": f"hung: {record['detail']}",
         "error": f"error: {record['detail']}",
         "agent_lost": f"lost with its node: {record['detail']}",
+        "comm_error": f"collective failed: {record['detail']}",
     }.get(record["kind"], f"failed: {record['detail']}")
     step = record.get("step")
     where = f"step {step}" if step is not None else "before its first step"

@@ -76,6 +76,20 @@ def run(
     stop_grace: Annotated[
         float, typer.Option(help="Seconds a worker gets to exit on stop before SIGKILL.")
     ] = 3.0,
+    no_replay_log: Annotated[
+        bool,
+        typer.Option(
+            "--no-replay-log",
+            help="Do not keep copies of the step's collective inputs (saves memory); a fault "
+            "then rolls the step back on every rank instead of replaying it.",
+        ),
+    ] = False,
+    recovery_timeout: Annotated[
+        float, typer.Option(help="Seconds a recovery may take before the job stops.")
+    ] = 120.0,
+    max_recoveries: Annotated[
+        int, typer.Option(help="Recoveries allowed in one job before a fault stops it.")
+    ] = 10,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -90,6 +104,10 @@ def run(
         raise click.UsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
     if stop_grace < 0:
         raise click.UsageError("--stop-grace must not be negative")
+    if recovery_timeout <= 0:
+        raise click.UsageError("--recovery-timeout must be positive")
+    if max_recoveries < 0:
+        raise click.UsageError("--max-recoveries must not be negative")
     try:
         faults = parse_faults(inject or [], nnodes * nproc_per_node)
     except FaultSpecError as exc:
@@ -107,6 +125,9 @@ def run(
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         stop_grace=stop_grace,
+        keep_log=not no_replay_log,
+        recovery_timeout=recovery_timeout,
+        max_recoveries=max_recoveries,
     )
     try:
         code = Launcher(spec, summary).run()

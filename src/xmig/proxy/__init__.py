@@ -1,5 +1,13 @@
-"""The process group the framework talks to (fault interception lives here)."""
+"""The process group the framework talks to: logs, intercepts and replays collectives."""
 
-from xmig.proxy.process_group import FORWARDED_OPS, ProxyProcessGroup
+from xmig.proxy.oplog import OpRecord, signature_digest, signature_of
+from xmig.proxy.process_group import FORWARDED_OPS, ProxyProcessGroup, ReplayMismatch
 
-__all__ = ["FORWARDED_OPS", "ProxyProcessGroup"]
+__all__ = [
+    "FORWARDED_OPS",
+    "OpRecord",
+    "ProxyProcessGroup",
+    "ReplayMismatch",
+    "signature_digest",
+    "signature_of",
+]

@@ -1,66 +1,80 @@
-"""The process group the framework talks to; it forwards every op to the real communicator."""
+"""The process group the framework talks to.
+
+Every op is logged (inputs copied before launch), launched on the current real communicator
+and handed back to the framework as a Work backed by a future the proxy owns. A waiter thread
+completes those futures in issue order. When an op fails, the proxy halts instead of failing
+the framework: the framework only sees a slow collective while the session rebuilds the
+communicator and re-issues the step's ops (``replay``), or serves them locally (``void``).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
+from xmig.proxy.oplog import INPUT_ARGS, OpRecord, signature_of, tensors_in
 
-# Every op of c10d's ProcessGroup that a framework may issue; each is forwarded by name.
-FORWARDED_OPS = (
-    "allreduce",
-    "allreduce_coalesced",
-    "allgather",
-    "_allgather_base",
-    "allgather_coalesced",
-    "allgather_into_tensor_coalesced",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced",
-    "alltoall",
-    "alltoall_base",
-    "barrier",
-    "send",
-    "recv",
-    "recv_anysource",
-)
+FORWARDED_OPS = tuple(INPUT_ARGS)
 
 BeforeOp = Callable[[int | None, int, str], None]
 
 
-class ProxyProcessGroup(dist.ProcessGroup):
-    """A ``ProcessGroup`` that counts the ops of the current step and forwards them.
+class ReplayMismatch(RuntimeError):
+    """An op the framework issued differs from what the survivors logged for that position."""
 
-    ``before_op(step, index, op)`` runs before each op is issued (fault injection uses it).
+
+class ProxyProcessGroup(dist.ProcessGroup):
+    """A ``ProcessGroup`` whose ops survive communicator failures.
+
+    Modes: ``normal`` (forward to the communicator), ``local`` (serve every op without the
+    network: a replacement's prologue, or a voided step). ``before_op(step, index, op)`` runs
+    before each op (fault injection); ``on_trouble(text)`` is called once when an op fails.
     """
 
-    def __init__(self, communicator: Communicator, before_op: BeforeOp | None = None) -> None:
+    def __init__(
+        self,
+        communicator: Communicator,
+        before_op: BeforeOp | None = None,
+        keep_log: bool = True,
+        on_trouble: Callable[[str], None] | None = None,
+        mode: str = "normal",
+    ) -> None:
         super().__init__(communicator.rank, communicator.size)
         self.communicator = communicator
+        self.retired: list[Communicator] = []  # gloo cannot be destroyed while an op hangs
         self.before_op = before_op
+        self.keep_log = keep_log
+        self.on_trouble = on_trouble
+        self.mode = mode
         self.step: int | None = None
         self.ops_in_step = 0
+        self.log: list[OpRecord] = []
+        self.int_broadcasts: list[tuple[int | None, torch.Tensor]] = []
+        self.expected: dict[int, list[str]] = {}  # step -> signatures a replacement must match
+        self.overrides: dict[tuple[int, int], torch.Tensor] = {}
+        self.served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
+        self.halted = False
+        self.trouble: str | None = None
+        self._queue: deque[OpRecord] = deque()
+        self._cv = threading.Condition()
         self._group_name = ""
+        self._waiter = threading.Thread(target=self._wait_loop, name="xmig-proxy", daemon=True)
+        self._waiter.start()
 
-    def begin_step(self, step: int) -> None:
-        """Called at the step boundary: op indices restart at 0."""
-        self.step = step
-        self.ops_in_step = 0
+    @property
+    def generation(self) -> int:
+        return self.communicator.generation
 
-    def _issue(self, op: str, args: tuple[Any, ...]) -> dist.Work:
-        index = self.ops_in_step
-        self.ops_in_step += 1
-        if self.before_op is not None:
-            self.before_op(self.step, index, op)
-        return getattr(self.communicator.backend, op)(*args)
-
+    # ---- c10d's accessors -------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return "xmig"
 
@@ -70,13 +84,221 @@ class ProxyProcessGroup(dist.ProcessGroup):
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
 
+    # ---- step boundary ----------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Op indices restart at 0; the log keeps this step and the one before it."""
+        with self._cv:
+            self.step = step
+            self.ops_in_step = 0
+            self.log = [r for r in self.log if r.step is not None and r.step >= step - 1]
+            if not self.keep_log:
+                self.log = [r for r in self.log if r.state != "done"]
+
+    # ---- issuing -----------------------------------------------------------------------------
+    def _issue(self, op: str, args: tuple[Any, ...]) -> dist.Work:
+        index = self.ops_in_step
+        self.ops_in_step += 1
+        future: torch.futures.Future = torch.futures.Future()
+        record = OpRecord(self.step, index, op, args, signature_of(op, args), future)
+        injected: BaseException | None = None
+        if self.before_op is not None:
+            try:
+                self.before_op(self.step, index, op)
+            except Exception as exc:  # an injected communication error: the proxy absorbs it
+                injected = exc
+        expected = self.expected.get(self.step) if self.step is not None else None
+        if expected is not None and index < len(expected) and expected[index] != record.signature:
+            raise ReplayMismatch(
+                f"op {index} of step {self.step} is {record.signature}, but the survivors "
+                f"logged {expected[index]}; refusing to issue it"
+            )
+        override = self.overrides.pop((self.step, index), None) if self.step is not None else None
+        if override is not None:
+            with torch.no_grad():
+                tensors_in(args[0])[0].copy_(override)
+        if self.mode == "local":
+            self._serve_locally(record)
+            return _create_work_from_future(future)
+        if self.keep_log:
+            record.inputs = [t.detach().clone() for t in record.input_tensors]
+        with self._cv:
+            self.log.append(record)
+            self._queue.append(record)
+            if injected is not None:
+                record.state, record.error = "failed", str(injected)
+                record.done_event.set()
+            elif not self.halted and all(
+                r.state != "queued" for r in self._queue if r is not record
+            ):
+                self._launch(record)
+            self._cv.notify_all()
+        return _create_work_from_future(future)
+
+    def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
+        try:
+            work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+        except Exception as exc:  # a communicator that is already broken
+            record.state, record.error = "failed", str(exc)
+            record.done_event.set()
+            return
+        record.work = work
+        record.state = "launched"
+        event = record.done_event = threading.Event()
+        work.get_future().add_done_callback(lambda _f: event.set())
+
+    def _serve_locally(self, record: OpRecord) -> None:
+        if record.op == "broadcast" and self.served:
+            with torch.no_grad():
+                tensors_in(record.args[0])[0].copy_(self.served.popleft())
+        outputs = record.serve_locally(self.size())
+        record.state = "done"
+        record.future.set_result(outputs)
+
+    # ---- completing -------------------------------------------------------------------------
+    def _wait_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self.halted:
+                    self._cv.wait()
+                record = self._queue[0]
+                if record.state == "queued":
+                    self._launch(record)
+                event, work = record.done_event, record.work
+            event.wait()
+            with self._cv:
+                if self.halted or not self._queue or self._queue[0] is not record:
+                    continue  # recovery took this op over
+                if record.work is not work:
+                    continue
+                error = record.error
+                if error is None:
+                    try:
+                        value = record.work.get_future().value()  # type: ignore[union-attr]
+                    except Exception as exc:
+                        error = str(exc)
+                if error is not None:
+                    record.state, record.error = "failed", error
+                    self.halted = True
+                    self.trouble = error
+                    callback = self.on_trouble
+                else:
+                    self._queue.popleft()
+                    record.state = "done"
+                    self._remember(record)
+                    callback = None
+            if callback is not None:
+                callback(error)
+            elif error is None:
+                record.future.set_result(value)
+
+    def _remember(self, record: OpRecord) -> None:
+        if record.op == "broadcast":
+            tensors = tensors_in(record.args[0])
+            if len(tensors) == 1 and tensors[0].dtype == torch.int32:
+                self.int_broadcasts.append((record.step, tensors[0].detach().clone()))
+                del self.int_broadcasts[:-8]
+        if not self.keep_log:
+            record.inputs = None
+
+    # ---- recovery primitives (called by the session's recovery thread) -----------------------
+    def halt(self) -> None:
+        """Stop launching; ops in flight are abandoned (their results no longer count)."""
+        with self._cv:
+            self.halted = True
+            for record in self._queue:
+                record.state, record.work = "queued", None
+                record.done_event.set()  # wakes the waiter if it waits on this op
+            self._cv.notify_all()
+
+    def pending(self) -> list[OpRecord]:
+        with self._cv:
+            return list(self._queue)
+
+    def logged(self, from_step: int) -> list[OpRecord]:
+        """Logged ops of ``from_step`` and later, in issue order (done and pending)."""
+        with self._cv:
+            return [r for r in self.log if r.step is not None and r.step >= from_step]
+
+    def switch(self, communicator: Communicator) -> None:
+        """Adopt a new generation's communicator; the old one is kept, never destroyed:
+        gloo's destructor would wait for (or crash on) an op abandoned in it."""
+        with self._cv:
+            old = self.communicator
+            self.retired.append(old)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(old.backend))  # not even at exit
+            self.communicator = communicator
+
+    def replay(self, from_step: int, timeout: float) -> float:
+        """Re-issue every logged op of ``from_step`` and later on the current communicator:
+        done ops with their logged inputs (results thrown away), pending ops for real (their
+        results complete the framework's futures). Returns the seconds it took."""
+        started = time.monotonic()
+        records = self.logged(from_step)
+        with self._cv:
+            pending_ids = {id(r) for r in self._queue}
+            older = [r for r in self._queue if r.step is None or r.step < from_step]
+        if older:
+            raise RuntimeError(
+                f"op {older[0].index} of step {older[0].step} is still pending but the job "
+                f"resumes at step {from_step}"
+            )
+        for record in records:
+            if id(record) not in pending_ids:
+                if record.inputs is None:
+                    raise RuntimeError(f"op {record.index} of step {record.step} was not logged")
+                work = getattr(self.communicator.backend, record.op)(*record.scratch_args())
+                self._wait(work, timeout, record)
+                continue
+            record.restore_inputs()
+            work = getattr(self.communicator.backend, record.op)(*record.args)
+            self._wait(work, timeout, record)
+            value = work.get_future().value()
+            with self._cv:
+                self._queue.remove(record)
+                record.state, record.error, record.work = "done", None, work
+                self._remember(record)
+            record.future.set_result(value)
+        return time.monotonic() - started
+
+    @staticmethod
+    def _wait(work: dist.Work, timeout: float, record: OpRecord) -> None:
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        if not done.wait(timeout):
+            raise TimeoutError(
+                f"re-issued op {record.index} of step {record.step} ({record.op}) did not "
+                f"complete within {timeout:.0f} s"
+            )
+        work.get_future().value()  # raises if it failed
+
+    def void(self) -> None:
+        """Serve pending and future ops of this step locally (a step that will be redone)."""
+        with self._cv:
+            pending = list(self._queue)
+            self._queue.clear()
+            self.mode = "local"
+        for record in pending:
+            record.restore_inputs()
+            self._serve_locally(record)
+
+    def resume(self, mode: str = "normal") -> None:
+        """Leave recovery: queued ops are launched on the current communicator, in order."""
+        with self._cv:
+            self.mode = mode
+            self.halted = False
+            self.trouble = None
+            for record in self._queue:
+                record.state, record.error, record.work = "queued", None, None
+                record.done_event = threading.Event()
+            self._cv.notify_all()
+
 
 def _forwarder(op: str) -> Callable[..., dist.Work]:
     def forward(self: ProxyProcessGroup, *args: Any) -> dist.Work:
         return self._issue(op, args)
 
     forward.__name__ = op
-    forward.__doc__ = f"Forward ``{op}`` to the current communicator."
+    forward.__doc__ = f"Issue ``{op}`` through the proxy."
     return forward
 
 

@@ -1,6 +1,15 @@
-"""What a rank's state is made of: parameter fingerprints, per-step random state."""
+"""What a rank's state is made of, and how it moves to a replacement."""
 
 from xmig.state.fingerprint import params_sha256
 from xmig.state.rng import reseed, step_seed
+from xmig.state.transfer import TransferStats, pack, recv_state, send_state
 
-__all__ = ["params_sha256", "reseed", "step_seed"]
+__all__ = [
+    "TransferStats",
+    "pack",
+    "params_sha256",
+    "recv_state",
+    "reseed",
+    "send_state",
+    "step_seed",
+]

@@ -1,0 +1,170 @@
+"""The record of one collective: enough to check it, re-issue it, or serve it locally."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# positions of the arguments that carry an op's input data; the other tensors are outputs
+INPUT_ARGS: dict[str, tuple[int, ...]] = {
+    "allreduce": (0,),
+    "allreduce_coalesced": (0,),
+    "broadcast": (0,),
+    "reduce": (0,),
+    "allgather": (1,),
+    "_allgather_base": (1,),
+    "allgather_coalesced": (1,),
+    "allgather_into_tensor_coalesced": (1,),
+    "gather": (1,),
+    "scatter": (1,),
+    "reduce_scatter": (1,),
+    "_reduce_scatter_base": (1,),
+    "reduce_scatter_tensor_coalesced": (1,),
+    "alltoall": (1,),
+    "alltoall_base": (1,),
+    "send": (0,),
+    "recv": (),
+    "recv_anysource": (),
+    "barrier": (),
+}
+# the arguments that carry tensors (the rest are options, ranks, tags)
+TENSOR_ARGS: dict[str, tuple[int, ...]] = {
+    op: (0, 1)
+    if op
+    in (
+        "allgather",
+        "_allgather_base",
+        "allgather_coalesced",
+        "allgather_into_tensor_coalesced",
+        "gather",
+        "scatter",
+        "reduce_scatter",
+        "_reduce_scatter_base",
+        "reduce_scatter_tensor_coalesced",
+        "alltoall",
+        "alltoall_base",
+    )
+    else ((0,) if op != "barrier" else ())
+    for op in INPUT_ARGS
+}
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) list or tuple, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+def map_tensors(value: Any, fn: Any) -> Any:
+    """The same nesting with every tensor replaced by ``fn(tensor)``."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [map_tensors(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(map_tensors(v, fn) for v in value)
+    return value
+
+
+def _options_key(value: Any) -> str:
+    parts = []
+    for name in ("reduceOp", "rootRank", "rootTensor"):
+        if hasattr(value, name):
+            field_value = getattr(value, name)
+            field_value = getattr(field_value, "op", field_value)  # ReduceOp → its kind
+            parts.append(f"{name}={field_value}")
+    return ",".join(parts)
+
+
+def signature_of(op: str, args: tuple[Any, ...]) -> str:
+    """Kind, shapes, dtypes and options of an op: what every rank must agree on."""
+    shapes = []
+    for i in TENSOR_ARGS[op]:
+        if i < len(args):
+            shapes.append(";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors_in(args[i])))
+    options = [_options_key(a) for a in args if not isinstance(a, (list, tuple, torch.Tensor))]
+    return f"{op}|{'|'.join(shapes)}|{','.join(o for o in options if o)}"
+
+
+def signature_digest(signatures: list[str]) -> str:
+    digest = hashlib.sha256()
+    for sig in signatures:
+        digest.update(sig.encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class OpRecord:
+    """One op issued by the framework through the proxy."""
+
+    step: int | None
+    index: int
+    op: str
+    args: tuple[Any, ...]
+    signature: str
+    future: torch.futures.Future
+    inputs: list[torch.Tensor] | None = None  # copies taken before launch; None: not logged
+    work: dist.Work | None = None
+    state: str = "queued"  # queued, launched, done, failed
+    error: str | None = None
+    done_event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def input_tensors(self) -> list[torch.Tensor]:
+        return [
+            t for i in INPUT_ARGS[self.op] if i < len(self.args) for t in tensors_in(self.args[i])
+        ]
+
+    def restore_inputs(self) -> None:
+        """Put the logged inputs back (a failed in-place op may have clobbered them)."""
+        if self.inputs is not None:
+            with torch.no_grad():
+                for tensor, saved in zip(self.input_tensors, self.inputs, strict=True):
+                    tensor.copy_(saved)
+
+    def scratch_args(self) -> tuple[Any, ...]:
+        """The op's arguments with logged inputs copied and fresh outputs: for a re-issue whose
+        result is thrown away."""
+        assert self.inputs is not None
+        saved = iter(self.inputs)
+        inputs = set(INPUT_ARGS[self.op])
+        args = []
+        for i, arg in enumerate(self.args):
+            if i in inputs:
+                args.append(map_tensors(arg, lambda _t: next(saved).clone()))
+            elif i in TENSOR_ARGS[self.op]:
+                args.append(map_tensors(arg, torch.empty_like))
+            else:
+                args.append(arg)
+        return tuple(args)
+
+    def serve_locally(self, world_size: int) -> Any:
+        """Complete the op without the network, as if every rank had this rank's data."""
+        inputs = [
+            t for i in INPUT_ARGS[self.op] if i < len(self.args) for t in tensors_in(self.args[i])
+        ]
+        outputs: list[torch.Tensor] = []
+        if self.op in ("allgather", "gather") and len(self.args) > 1:
+            out_lists = self.args[0]
+            with torch.no_grad():
+                for out_list, source in zip(out_lists, self.args[1], strict=False):
+                    for out in out_list:
+                        out.copy_(source)
+            outputs = [t for lst in out_lists for t in lst]
+        elif self.op in ("_allgather_base", "allgather_into_tensor_coalesced"):
+            outs, ins = tensors_in(self.args[0]), tensors_in(self.args[1])
+            with torch.no_grad():
+                for out, source in zip(outs, ins, strict=False):
+                    out.view(world_size, -1).copy_(source.reshape(1, -1).expand(world_size, -1))
+            outputs = outs
+        else:
+            outputs = inputs
+        return outputs

@@ -1,0 +1,161 @@
+"""Moving a rank's state to another rank over a communicator, in a few large buffers.
+
+The structure (state dicts with their numbers, strings and nesting) travels as a restricted
+pickle in which every tensor is a reference; the tensors travel as one flat buffer per
+(dtype, device type), so a pull costs a handful of collectives whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xmig.ccl import Communicator
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Stands for the tensor with this index in the transfer."""
+
+    index: int
+
+
+_ALLOWED = {
+    ("builtins", name)
+    for name in (
+        "dict",
+        "list",
+        "tuple",
+        "set",
+        "frozenset",
+        "int",
+        "float",
+        "complex",
+        "str",
+        "bytes",
+        "bool",
+        "NoneType",
+        "slice",
+        "range",
+    )  # fmt: skip
+} | {("collections", "OrderedDict"), (__name__, "TensorRef")}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a peer")
+        return super().find_class(module, name)
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach())
+        return TensorRef(len(tensors) - 1)
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _strip(v, tensors)) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_strip(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, TensorRef):
+        return tensors[value.index]
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _fill(v, tensors)) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill(v, tensors) for v in value)
+    return value
+
+
+def pack(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Split ``state`` into a structure (bytes) and the tensors it holds."""
+    tensors: list[torch.Tensor] = []
+    structure = _strip(state, tensors)
+    meta = {
+        "structure": structure,
+        "tensors": [
+            (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.device.type) for t in tensors
+        ],  # fmt: skip
+    }
+    return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL), tensors
+
+
+def _groups(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[tuple[str, str], list[int]]:
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (dtype, _shape, device) in enumerate(specs):
+        groups.setdefault((dtype, device), []).append(i)
+    return groups
+
+
+def _broadcast(comm: Communicator, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    comm.backend.broadcast([tensor], opts).wait()
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def send_state(comm: Communicator, state: Any, control_device: torch.device) -> TransferStats:
+    """Send ``state`` to the other member of the two-rank ``comm`` (this rank is its rank 0)."""
+    started = time.monotonic()
+    meta, tensors = pack(state)
+    _broadcast(comm, torch.tensor([len(meta)], dtype=torch.int64, device=control_device))
+    _broadcast(comm, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(control_device))
+    total = 0
+    specs = pickle.loads(meta)["tensors"]
+    for indices in _groups(specs).values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        _broadcast(comm, flat)
+        total += flat.numel() * flat.element_size()
+    return TransferStats(total + len(meta), time.monotonic() - started)
+
+
+def recv_state(
+    comm: Communicator, control_device: torch.device, tensor_device: torch.device
+) -> tuple[Any, TransferStats]:
+    """Receive what ``send_state`` sent; tensors land on ``tensor_device`` (CPU ones stay CPU)."""
+    started = time.monotonic()
+    size = torch.zeros(1, dtype=torch.int64, device=control_device)
+    _broadcast(comm, size)
+    raw = torch.empty(int(size.item()), dtype=torch.uint8, device=control_device)
+    _broadcast(comm, raw)
+    meta = _RestrictedUnpickler(io.BytesIO(raw.cpu().numpy().tobytes())).load()
+    specs = meta["tensors"]
+    tensors: list[torch.Tensor | None] = [None] * len(specs)
+    total = 0
+    for (dtype_name, device_type), indices in _groups(specs).items():
+        dtype = getattr(torch, dtype_name)
+        device = tensor_device if device_type != "cpu" else torch.device("cpu")
+        numels = [int(torch.Size(specs[i][1]).numel()) for i in indices]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        _broadcast(comm, flat)
+        total += flat.numel() * flat.element_size()
+        for i, part in zip(indices, flat.split(numels), strict=True):
+            tensors[i] = part.view(specs[i][1])
+    state = _fill(meta["structure"], tensors)  # type: ignore[arg-type]
+    return state, TransferStats(total + int(size.item()), time.monotonic() - started)
