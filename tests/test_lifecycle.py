@@ -64,6 +64,9 @@ def test_plain_script_exit_code(tmp_path):
     assert result.returncode == 1
     assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "exit", "exit code 3")
     assert fault["step"] is None and "before its first step" in result.last_lines[-2]
+    # a worker that never joined with xmig.init() cannot be parked: a clear stop, no attempt
+    assert "never called xmig.init()" in result.summary["message"]
+    assert result.summary["recoveries"] == []
 
 
 def test_external_sigkill(tmp_path, measure):
@@ -101,6 +104,8 @@ def test_hang_without_steps(tmp_path, measure):
     assert (fault["rank"], fault["kind"]) == (0, "hang")
     assert fault["fault_time_source"] == "last_heartbeat"
     assert fault["detected_after_s"] < 1.5 + 1.0
+    assert "session.steps()" in result.summary["message"]
+    assert result.returncode == 1
     measure(
         f"external SIGSTOP, heartbeat timeout 1.5 s: detected "
         f"{fault['detected_after_s']:.3f} s after the last heartbeat"
@@ -153,7 +158,7 @@ def test_killed_launcher_takes_the_job_with_it(tmp_path):
 
 def test_inject_at_run_time(tmp_path):
     proc = start_run(
-        ["--nproc-per-node", "2", str(DEMO), "--steps", "400", "--step-sleep", "0.05", "--quiet"],
+        ["--nproc-per-node", "2", str(DEMO), "--steps", "150", "--step-sleep", "0.05", "--quiet"],
         tmp_path,
     )
     job = _job_file(tmp_path)
@@ -170,5 +175,7 @@ def test_inject_at_run_time(tmp_path):
     fault = result.summary["faults"][0]
     assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "exit", "exit code 9")
     assert fault["injected"]["at"] == "boundary"
+    assert result.returncode == 0 and result.summary["status"] == "completed"
+    assert [r["mode"] for r in result.summary["recoveries"]] == ["respawn"]
     assert_all_gone(result.summary)
     assert REPO.exists()

@@ -268,9 +268,9 @@ class Session:
         ddp = self._ddp()
         # DDP rebuilds its buckets in its second iteration; look only then (the framework is
         # quiet at the boundary: DDP must not be asked while a backward waits inside it)
-        if ddp is not None and self.ddp_layout is None and step <= (self.first_step or 0) + 3:
-            if ddp_state.has_rebuilt(ddp):
-                self.ddp_layout = ddp_state.rebuild_payloads(self.proxy.int_broadcasts)
+        watching = ddp is not None and self.ddp_layout is None
+        if watching and step <= (self.first_step or 0) + 3 and ddp_state.has_rebuilt(ddp):
+            self.ddp_layout = ddp_state.rebuild_payloads(self.proxy.int_broadcasts)
         if self._redo_from is None:
             return step + 1
         with self.state_lock:
@@ -403,7 +403,7 @@ class Session:
                 self.timeout,
             )  # fmt: skip
             rebuilt = time.monotonic()
-            pull = self._serve_or_receive(plan)
+            pull = self._serve_or_receive(plan)  # includes waiting for the receiver to get there
             pulled = time.monotonic()
             self.proxy.switch(communicator)
             replay_s = 0.0

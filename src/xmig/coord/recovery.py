@@ -113,7 +113,7 @@ class Recovery:
             "park": (self.parked_at or self.started) - self.started,
             "respawn": respawn,
             "rebuild": longest(survivors, "rebuild"),
-            "pull": pull_s,
+            "pull": max(pull_s, longest(everyone, "pull")),
             "replay": longest(survivors, "replay"),
         }
         return {

@@ -90,7 +90,11 @@ def signature_of(op: str, args: tuple[Any, ...]) -> str:
     for i in TENSOR_ARGS[op]:
         if i < len(args):
             shapes.append(";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors_in(args[i])))
-    options = [_options_key(a) for a in args if not isinstance(a, (list, tuple, torch.Tensor))]
+    options = [
+        str(a) if isinstance(a, int) else _options_key(a)
+        for a in args
+        if not isinstance(a, (list, tuple, torch.Tensor))
+    ]
     return f"{op}|{'|'.join(shapes)}|{','.join(o for o in options if o)}"
 
 

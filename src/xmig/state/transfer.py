@@ -60,7 +60,10 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(value.detach())
         return TensorRef(len(tensors) - 1)
     if isinstance(value, OrderedDict):
-        return OrderedDict((k, _strip(v, tensors)) for k, v in value.items())
+        stripped = OrderedDict((k, _strip(v, tensors)) for k, v in value.items())
+        if hasattr(value, "_metadata"):  # module versions that load_state_dict reads
+            stripped["__xmig_metadata__"] = value._metadata
+        return stripped
     if isinstance(value, dict):
         return {k: _strip(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
@@ -74,7 +77,11 @@ def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, TensorRef):
         return tensors[value.index]
     if isinstance(value, OrderedDict):
-        return OrderedDict((k, _fill(v, tensors)) for k, v in value.items())
+        filled = OrderedDict((k, _fill(v, tensors)) for k, v in value.items())
+        metadata = filled.pop("__xmig_metadata__", None)
+        if metadata is not None:
+            filled._metadata = metadata  # type: ignore[attr-defined]
+        return filled
     if isinstance(value, dict):
         return {k: _fill(v, tensors) for k, v in value.items()}
     if isinstance(value, list):

@@ -1,0 +1,191 @@
+"""Op records: signatures every rank can compare, scratch copies for a re-issue, restoring
+clobbered inputs, and serving an op without the network."""
+
+import torch
+import torch.distributed as dist
+
+from xmig.proxy.oplog import OpRecord, signature_of
+
+
+def _allreduce_opts(op=dist.ReduceOp.SUM):
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+def _record(op, args, inputs=None):
+    return OpRecord(
+        step=3,
+        index=0,
+        op=op,
+        args=args,
+        signature=signature_of(op, args),
+        future=torch.futures.Future(),
+        inputs=inputs,
+    )
+
+
+# ---- signatures ----------------------------------------------------------------------------
+
+
+def test_equal_ops_have_equal_signatures():
+    """Different tensors and option objects with the same content give the same signature."""
+    a = signature_of("allreduce", ([torch.zeros(10)], _allreduce_opts()))
+    b = signature_of("allreduce", ([torch.ones(10)], _allreduce_opts()))
+    assert a == b
+    assert a == "allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"
+
+
+def test_signatures_hold_no_memory_addresses():
+    t = torch.zeros(4)
+    sigs = [
+        signature_of("allreduce", ([t], _allreduce_opts(dist.ReduceOp.MAX))),
+        signature_of("broadcast", ([t], dist.BroadcastOptions())),
+        signature_of("allgather", ([[torch.empty(4), torch.empty(4)]], [t], object())),
+        signature_of("barrier", (dist.BarrierOptions(),)),
+    ]
+    for sig in sigs:
+        assert "0x" not in sig, sig
+        assert " at " not in sig, sig
+
+
+def test_signatures_differ_by_shape_dtype_kind_and_reduce_op():
+    base = signature_of("allreduce", ([torch.zeros(10)], _allreduce_opts()))
+    others = {
+        "shape": signature_of("allreduce", ([torch.zeros(11)], _allreduce_opts())),
+        "rank-2 shape": signature_of("allreduce", ([torch.zeros(2, 5)], _allreduce_opts())),
+        "dtype": signature_of(
+            "allreduce", ([torch.zeros(10, dtype=torch.bfloat16)], _allreduce_opts())
+        ),
+        "kind": signature_of("broadcast", ([torch.zeros(10)], dist.BroadcastOptions())),
+        "reduce op": signature_of(
+            "allreduce", ([torch.zeros(10)], _allreduce_opts(dist.ReduceOp.MAX))
+        ),
+        "tensor count": signature_of(
+            "allreduce", ([torch.zeros(10), torch.zeros(10)], _allreduce_opts())
+        ),
+    }
+    for what, sig in others.items():
+        assert sig != base, what
+    assert len(set(others.values())) == len(others)
+
+
+def test_signature_of_allgather_covers_outputs_and_input():
+    inp = torch.zeros(4)
+    two = signature_of("allgather", ([[torch.empty(4), torch.empty(4)]], [inp], object()))
+    three = signature_of(
+        "allgather", ([[torch.empty(4), torch.empty(4), torch.empty(4)]], [inp], object())
+    )
+    assert two.startswith("allgather|")
+    assert two != three
+
+
+def test_signature_of_broadcast_includes_the_root():
+    t = torch.zeros(3)
+    root0, root1 = dist.BroadcastOptions(), dist.BroadcastOptions()
+    root1.rootRank = 1
+    assert signature_of("broadcast", ([t], root0)) != signature_of("broadcast", ([t], root1))
+
+
+# ---- scratch arguments and restoring inputs ------------------------------------------------
+
+
+def test_scratch_args_for_allgather():
+    inp = torch.arange(4.0)
+    out0, out1 = torch.full((4,), 7.0), torch.full((4,), 8.0)
+    opts = object()
+    rec = _record("allgather", ([[out0, out1]], [inp], opts), inputs=[inp.clone()])
+    assert [t is inp for t in rec.input_tensors] == [True]
+
+    outs, ins, got_opts = rec.scratch_args()
+    assert got_opts is opts
+    assert isinstance(outs, list) and isinstance(outs[0], list) and len(outs[0]) == 2
+    for fresh, orig in zip(outs[0], [out0, out1], strict=True):
+        assert fresh.shape == orig.shape and fresh.dtype == orig.dtype
+        assert fresh.data_ptr() != orig.data_ptr()
+    assert isinstance(ins, list) and len(ins) == 1
+    assert torch.equal(ins[0], inp)
+    assert ins[0].data_ptr() not in (inp.data_ptr(), rec.inputs[0].data_ptr())
+
+    # writing into the scratch tensors leaves the framework's tensors and the log alone
+    ins[0].fill_(-1.0)
+    outs[0][0].fill_(-2.0)
+    assert torch.equal(inp, torch.arange(4.0))
+    assert torch.equal(rec.inputs[0], torch.arange(4.0))
+    assert torch.equal(out0, torch.full((4,), 7.0))
+
+
+def test_scratch_args_for_allreduce_use_the_logged_copy():
+    """The re-issue uses the input as it was before launch, not as it is now."""
+    t = torch.tensor([1.0, 2.0, 3.0])
+    opts = _allreduce_opts()
+    rec = _record("allreduce", ([t], opts), inputs=[t.clone()])
+    t.mul_(10)  # the failed in-place op clobbered it
+    scratch, got_opts = rec.scratch_args()
+    assert got_opts is opts
+    assert len(scratch) == 1
+    assert torch.equal(scratch[0], torch.tensor([1.0, 2.0, 3.0]))
+    assert scratch[0].data_ptr() not in (t.data_ptr(), rec.inputs[0].data_ptr())
+    scratch[0].zero_()
+    assert torch.equal(rec.inputs[0], torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(t, torch.tensor([10.0, 20.0, 30.0]))
+
+
+def test_restore_inputs_writes_the_logged_copy_back():
+    t = torch.tensor([1.0, 2.0, 3.0])
+    ptr = t.data_ptr()
+    rec = _record("allreduce", ([t], _allreduce_opts()), inputs=[t.clone()])
+    t.fill_(99.0)
+    rec.restore_inputs()
+    assert torch.equal(t, torch.tensor([1.0, 2.0, 3.0]))
+    assert t.data_ptr() == ptr  # in place
+
+
+def test_restore_inputs_of_allgather_touches_only_the_input():
+    inp, out = torch.ones(2), torch.zeros(2)
+    rec = _record("allgather", ([[out, out.clone()]], [inp], object()), inputs=[inp.clone()])
+    inp.fill_(5.0)
+    out.fill_(6.0)
+    rec.restore_inputs()
+    assert torch.equal(inp, torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 6.0))
+
+
+def test_restore_inputs_without_a_log_does_nothing():
+    t = torch.tensor([4.0])
+    rec = _record("allreduce", ([t], _allreduce_opts()))
+    t.fill_(5.0)
+    rec.restore_inputs()
+    assert torch.equal(t, torch.tensor([5.0]))
+
+
+# ---- serving locally -----------------------------------------------------------------------
+
+
+def test_serve_locally_allgather_fills_every_output():
+    inp = torch.tensor([1.0, 2.0])
+    outs = [torch.zeros(2) for _ in range(3)]
+    rec = _record("allgather", ([outs], [inp], object()))
+    result = rec.serve_locally(world_size=3)
+    for out in outs:
+        assert torch.equal(out, inp)
+    assert len(result) == 3
+    assert all(r is o for r, o in zip(result, outs, strict=True))
+
+
+def test_serve_locally_allgather_base_fills_every_chunk():
+    inp = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    out = torch.zeros(8, 2)
+    rec = _record("_allgather_base", (out, inp, object()))
+    result = rec.serve_locally(world_size=4)
+    for chunk in out.chunk(4):
+        assert torch.equal(chunk, inp)
+    assert len(result) == 1 and result[0] is out
+
+
+def test_serve_locally_allreduce_returns_the_inputs_unchanged():
+    t = torch.tensor([1.0, -2.0, 3.0])
+    rec = _record("allreduce", ([t], _allreduce_opts()))
+    result = rec.serve_locally(world_size=4)
+    assert len(result) == 1 and result[0] is t
+    assert torch.equal(t, torch.tensor([1.0, -2.0, 3.0]))

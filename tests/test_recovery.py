@@ -1,0 +1,126 @@
+"""In-place recovery on CPU (gloo): every fault ends with the fault-free run's parameters,
+bit for bit, the survivors' PIDs unchanged, and a complete, bounded recovery record."""
+
+import pytest
+
+from helpers import DEMO, run
+
+STEPS = 7
+HEARTBEAT = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
+PHASES = {"detect", "park", "respawn", "rebuild", "pull", "replay"}
+_REFERENCE: dict[int, dict] = {}
+
+
+def reference(world, tmp_path_factory):
+    """The fault-free run's summary for this world size (computed once)."""
+    if world not in _REFERENCE:
+        folder = tmp_path_factory.mktemp(f"reference{world}")
+        result = run(["--nproc-per-node", str(world), str(DEMO), "--steps", str(STEPS),
+                      "--quiet"], folder)  # fmt: skip
+        assert result.returncode == 0, result.output
+        _REFERENCE[world] = result.summary
+    return _REFERENCE[world]
+
+
+def recover(tmp_path, tmp_path_factory, world, specs, extra=()):
+    args = ["--nproc-per-node", str(world), *HEARTBEAT, *extra]
+    for spec in specs:
+        args += ["--inject", spec]
+    result = run([*args, str(DEMO), "--steps", str(STEPS), "--quiet"], tmp_path)
+    summary, ref = result.summary, reference(world, tmp_path_factory)
+    assert result.returncode == 0, result.output
+    assert summary["status"] == "completed"
+    assert summary["steps"] == ref["steps"] == STEPS
+    assert summary["final_params_sha256"] == ref["final_params_sha256"], "not bit-identical"
+    return result, summary
+
+
+def check_records(summary, failed_ranks, measure, label):
+    for rank, pids in summary["worker_pids"].items():
+        expected = 1 + failed_ranks.count(int(rank))
+        assert len(pids) == expected, f"rank {rank} had PIDs {pids}"
+    assert len(summary["recoveries"]) == len(summary["faults"])
+    for record in summary["recoveries"]:
+        assert set(record["phases"]) == PHASES
+        assert all(v >= 0 for v in record["phases"].values())
+        assert 0 < record["total_s"] < 60
+        phases = " ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
+        measure(f"{label}: {record['mode']} in {record['total_s']:.2f} s ({phases})")
+
+
+WORLDS = [2, 3]
+POINTS = ["forward", "backward", "optimizer", "boundary"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("victim", ["last", "zero"])
+def test_kill(tmp_path, tmp_path_factory, measure, world, point, victim):
+    rank = 0 if victim == "zero" else world - 1
+    spec = f"kill:rank={rank}:step=3:at={point}"
+    _, summary = recover(tmp_path, tmp_path_factory, world, [spec])
+    fault = summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["step"]) == (rank, "signal", 3)
+    assert fault["detected_after_s"] < 1.0
+    record = summary["recoveries"][0]
+    assert record["mode"] == "respawn" and record["ranks"] == [rank]
+    check_records(summary, [rank], measure, f"{spec} (world {world})")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_exit(tmp_path, tmp_path_factory, measure, world):
+    spec = "exit:rank=1:step=2:at=backward:code=7"
+    _, summary = recover(tmp_path, tmp_path_factory, world, [spec])
+    fault = summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "exit", "exit code 7")
+    check_records(summary, [1], measure, f"{spec} (world {world})")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_raise_is_retried_in_place(tmp_path, tmp_path_factory, measure, world):
+    spec = "raise:rank=1:step=4:at=backward"
+    _, summary = recover(tmp_path, tmp_path_factory, world, [spec])
+    fault = summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["step"]) == (1, "comm_error", 4)
+    record = summary["recoveries"][0]
+    assert record["mode"] == "in-place retry" and record["ranks"] == []
+    check_records(summary, [], measure, f"{spec} (world {world})")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_two_faults(tmp_path, tmp_path_factory, measure, world):
+    specs = ["kill:rank=1:step=2:at=backward", f"kill:rank={world - 1 if world > 2 else 0}"
+             ":step=5:at=optimizer"]  # fmt: skip
+    _, summary = recover(tmp_path, tmp_path_factory, world, specs)
+    failed = [f["rank"] for f in summary["faults"]]
+    assert [f["step"] for f in summary["faults"]] == [2, 5]
+    assert [r["generation"] for r in summary["recoveries"]] == [1, 2]
+    check_records(summary, failed, measure, f"two faults (world {world})")
+
+
+def test_hang(tmp_path, tmp_path_factory, measure):
+    spec = "hang:rank=1:step=3:at=backward"
+    _, summary = recover(tmp_path, tmp_path_factory, 2, [spec])
+    fault = summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["step"]) == (1, "hang", 3)
+    assert 1.5 <= fault["detected_after_s"] < 2.5
+    check_records(summary, [1], measure, f"{spec} (world 2)")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rollback_without_replay_log(tmp_path, tmp_path_factory, measure, world):
+    spec = "kill:rank=1:step=3:at=backward"
+    _, summary = recover(tmp_path, tmp_path_factory, world, [spec], extra=["--no-replay-log"])
+    record = summary["recoveries"][0]
+    assert record["mode"] == "rollback" and "replay log" in record["why_rollback"]
+    check_records(summary, [1], measure, f"{spec} --no-replay-log (world {world})")
+
+
+def test_no_recovery_allowed_stops_cleanly(tmp_path):
+    result = run(["--nproc-per-node", "2", "--max-recoveries", "0", "--inject",
+                  "kill:rank=1:step=2", str(DEMO), "--steps", str(STEPS), "--quiet"],
+                 tmp_path)  # fmt: skip
+    summary = result.summary
+    assert result.returncode == 1 and summary["status"] == "failed"
+    assert "--max-recoveries" in summary["message"]
+    assert "FAILED: rank 1" in result.last_lines[-2] and "step 2" in result.last_lines[-2]

@@ -1,0 +1,297 @@
+"""Recovery plans: replay when the survivors' logs allow it, roll back otherwise, and the
+record a finished recovery leaves behind."""
+
+import pytest
+
+from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
+
+SUM = "allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"
+MAX = "allreduce|(10,):torch.float32|reduceOp=RedOpType.MAX"
+GATHER = "allgather|(4,);(4,)|(4,):torch.float32|"
+
+
+def position(step, stepped=False, log_from=None, keep_log=True, signatures=None):
+    """What a survivor reports when it parks at ``step``."""
+    return {
+        "step": step,
+        "state_step": step + 1 if stepped else step,
+        "log_from": step - 1 if log_from is None else log_from,
+        "keep_log": keep_log,
+        "signatures": {str(step): [SUM]} if signatures is None else signatures,
+        "pending": 0 if stepped else 1,
+        "optimizer_waiting": False,
+    }
+
+
+# ---- replay --------------------------------------------------------------------------------
+
+
+def test_replay_resumes_at_the_lowest_state_step():
+    """Every survivor keeps its log back to the lowest state step: replay from there."""
+    positions = {
+        0: position(3, stepped=True),  # state_step 4
+        2: position(3),  # state_step 3
+        3: position(3),
+    }
+    plan = plan_rebuild(positions, replaced=[5, 1], generation=7)
+    assert plan["op"] == "rebuild"
+    assert plan["generation"] == 7
+    assert plan["mode"] == "replay"
+    assert plan["step"] == 3
+    assert plan["source"] in (2, 3)
+    assert positions[plan["source"]]["state_step"] == 3
+    assert plan["pulls"] == [1, 5]
+    assert plan["why"] is None
+
+
+def test_replay_source_prefers_the_longest_log_of_the_resume_step():
+    """Among survivors at the resume step, the one that logged most ops of it serves."""
+    positions = {
+        0: position(3, signatures={"3": [SUM]}),
+        1: position(3, signatures={"3": [SUM, GATHER, SUM]}),
+        2: position(3, signatures={"3": [SUM, GATHER]}),
+        # further ahead and with the longest log of all, but not at the resume step
+        3: position(3, stepped=True, signatures={"3": [SUM, GATHER, SUM, MAX]}),
+    }
+    plan = plan_rebuild(positions, replaced=[4], generation=1)
+    assert plan["mode"] == "replay"
+    assert plan["step"] == 3
+    assert plan["source"] == 1
+    assert plan["pulls"] == [4]
+
+
+def test_replay_source_ties_go_to_the_lowest_rank():
+    positions = {r: position(2) for r in (3, 1, 2)}
+    plan = plan_rebuild(positions, replaced=[0], generation=2)
+    assert plan["mode"] == "replay"
+    assert plan["source"] == 1
+
+
+def test_prefix_consistent_logs_still_replay():
+    """A survivor that logged fewer ops of a step (it was behind) does not force a rollback."""
+    positions = {
+        0: position(4, signatures={"4": [SUM]}),
+        1: position(4, signatures={"4": [SUM, GATHER, MAX]}),
+        2: position(4, signatures={"4": []}),
+        3: position(4, signatures={}),
+    }
+    plan = plan_rebuild(positions, replaced=[], generation=3)
+    assert plan["mode"] == "replay"
+    assert plan["step"] == 4
+    assert plan["source"] == 1
+    assert plan["pulls"] == []
+    assert plan["why"] is None
+
+
+def test_replay_with_survivors_in_different_steps():
+    """Ops logged in the step before the resume step are not compared."""
+    positions = {
+        0: position(5, stepped=True, log_from=4, signatures={"4": [MAX], "5": [SUM]}),
+        1: position(5, log_from=4, signatures={"4": [SUM], "5": [SUM]}),
+    }
+    plan = plan_rebuild(positions, replaced=[2], generation=1)
+    assert plan["mode"] == "replay"
+    assert plan["step"] == 5
+    assert plan["source"] == 1
+
+
+# ---- rollback ------------------------------------------------------------------------------
+
+
+def test_rollback_when_the_replay_log_is_off():
+    """Without logs the job resumes at the furthest state step; laggards pull it too."""
+    positions = {
+        0: position(3, stepped=True, keep_log=False),  # state_step 4
+        1: position(3, keep_log=False),  # state_step 3
+        2: position(3, stepped=True, keep_log=False),  # state_step 4
+        4: position(3, keep_log=False),  # state_step 3
+    }
+    plan = plan_rebuild(positions, replaced=[5, 3], generation=4)
+    assert plan["mode"] == "rollback"
+    assert plan["generation"] == 4
+    assert plan["step"] == 4
+    assert plan["source"] == 0
+    assert plan["pulls"] == [1, 3, 4, 5]
+    assert "replay log" in plan["why"]
+
+
+def test_rollback_when_one_survivor_keeps_no_log():
+    positions = {0: position(3, stepped=True), 1: position(3, keep_log=False)}
+    plan = plan_rebuild(positions, replaced=[2], generation=1)
+    assert plan["mode"] == "rollback"
+    assert plan["step"] == 4
+    assert plan["source"] == 0
+    assert plan["pulls"] == [1, 2]
+    assert "replay log" in plan["why"]
+
+
+def test_rollback_when_a_log_starts_after_the_lowest_state_step():
+    """A survivor that dropped the log of the resume step cannot replay it."""
+    positions = {
+        0: position(6, stepped=True, log_from=7),  # state_step 7, log only from 7
+        1: position(6),  # state_step 6
+    }
+    plan = plan_rebuild(positions, replaced=[2], generation=2)
+    assert plan["mode"] == "rollback"
+    assert plan["step"] == 7
+    assert plan["source"] == 0
+    assert plan["pulls"] == [1, 2]
+    assert "6" in plan["why"]
+    assert "log" in plan["why"]
+
+
+def test_rollback_when_a_log_start_is_unknown():
+    positions = {0: position(6, log_from=6), 1: position(6)}
+    positions[0]["log_from"] = None
+    plan = plan_rebuild(positions, replaced=[2], generation=2)
+    assert plan["mode"] == "rollback"
+    assert plan["why"] is not None
+
+
+def test_rollback_when_survivors_logged_different_ops():
+    """Lists that are not prefixes of one another mean the ranks diverged."""
+    positions = {
+        0: position(3, stepped=True, signatures={"3": [SUM, GATHER]}),  # state_step 4
+        1: position(3, signatures={"3": [SUM, MAX]}),  # state_step 3
+    }
+    plan = plan_rebuild(positions, replaced=[2], generation=5)
+    assert plan["mode"] == "rollback"
+    assert plan["step"] == 4
+    assert plan["source"] == 0
+    assert plan["pulls"] == [1, 2]
+    assert "different ops" in plan["why"]
+    assert "3" in plan["why"]
+
+
+def test_rollback_at_the_same_step_pulls_only_the_replaced():
+    """When every survivor is at the same state step, a rollback pulls nothing more."""
+    positions = {
+        0: position(3, signatures={"3": [SUM]}),
+        1: position(3, signatures={"3": [MAX]}),
+    }
+    plan = plan_rebuild(positions, replaced=[2], generation=1)
+    assert plan["mode"] == "rollback"
+    assert plan["step"] == 3
+    assert plan["source"] == 0
+    assert plan["pulls"] == [2]
+
+
+# ---- impossible ----------------------------------------------------------------------------
+
+
+def test_impossible_before_the_step_boundary():
+    positions = {0: position(3), 1: position(3)}
+    positions[1]["state_step"] = None
+    with pytest.raises(RecoveryImpossible, match=r"session\.steps\(\)") as info:
+        plan_rebuild(positions, replaced=[2], generation=1)
+    assert "rank 1" in str(info.value)
+
+
+def test_impossible_without_survivors():
+    with pytest.raises(RecoveryImpossible):
+        plan_rebuild({}, replaced=[0, 1], generation=1)
+
+
+# ---- the record ----------------------------------------------------------------------------
+
+PHASES = ["detect", "park", "respawn", "rebuild", "pull", "replay"]
+
+
+def finished_recovery(plan, replaced, survivors, t0=1000.0):
+    """A recovery whose every rank resumed, with made-up but consistent times."""
+    rec = Recovery(
+        generation=plan["generation"],
+        primary={"rank": 2, "kind": "kill", "step": 3, "t_fault": t0, "detected_after_s": 0.25},
+        replaced=replaced,
+        survivors=survivors,
+        started=t0 + 0.5,
+    )
+    rec.parked_at = t0 + 0.75
+    rec.plan = plan
+    for r in replaced:
+        rec.joined[r] = t0 + 3.5
+    for i, r in enumerate(survivors):
+        rec.recovered[r] = {
+            "phases": {"rebuild": 0.5 + 0.1 * i, "replay": 0.2 + 0.1 * i},
+            "pull": None,
+            "t_resumed": t0 + 4.0 + 0.1 * i,
+        }
+    for r in replaced:
+        rec.recovered[r] = {
+            "phases": {"rebuild": 9.0, "replay": 9.0},  # joiners do not count for these
+            "pull": {"bytes": 2_000_000_000, "seconds": 0.5},
+            "t_resumed": t0 + 4.5,
+        }
+    return rec
+
+
+def test_record_of_a_respawn():
+    plan = plan_rebuild({0: position(3), 1: position(3)}, replaced=[2], generation=1)
+    rec = finished_recovery(plan, replaced=[2], survivors=[0, 1])
+    assert rec.expected == {0, 1, 2}
+    record = rec.record()
+    assert record["mode"] == "respawn"
+    assert record["generation"] == 1
+    assert record["rank"] == 2
+    assert record["ranks"] == [2]
+    assert record["fault_kind"] == "kill"
+    assert record["step"] == 3
+    assert record["resume_step"] == 3
+    assert record["source"] == plan["source"]
+    assert record["why_rollback"] is None
+    assert list(record["phases"]) == PHASES
+    assert record["phases"]["detect"] == pytest.approx(0.25)
+    assert record["phases"]["park"] == pytest.approx(0.25)
+    assert record["phases"]["respawn"] == pytest.approx(3.0)
+    assert record["phases"]["rebuild"] == pytest.approx(0.6)
+    assert record["phases"]["pull"] == pytest.approx(0.5)
+    assert record["phases"]["replay"] == pytest.approx(0.3)
+    assert record["total_s"] == pytest.approx(4.5)
+    assert record["total_s"] > 0
+    assert record["pull_bytes"] == 2_000_000_000
+    assert record["pull_gb_per_s"] == pytest.approx(4.0)
+
+    text = describe_recovery(record)
+    assert "rank 2" in text
+    assert "respawn" in text
+    assert "rolled back" not in text
+
+
+def test_record_of_an_in_place_retry():
+    plan = plan_rebuild({0: position(3), 1: position(3)}, replaced=[], generation=2)
+    rec = finished_recovery(plan, replaced=[], survivors=[0, 1])
+    record = rec.record()
+    assert record["mode"] == "in-place retry"
+    assert list(record["phases"]) == PHASES
+    assert record["phases"]["respawn"] == 0.0
+    assert record["phases"]["pull"] == 0.0
+    assert record["pull_bytes"] == 0
+    assert record["pull_gb_per_s"] is None
+    assert record["total_s"] == pytest.approx(4.1)
+    text = describe_recovery(record)
+    assert "rank 2" in text
+    assert "in-place retry" in text
+
+
+def test_record_of_a_rollback():
+    positions = {0: position(3, stepped=True, keep_log=False), 1: position(3, keep_log=False)}
+    plan = plan_rebuild(positions, replaced=[2], generation=3)
+    rec = finished_recovery(plan, replaced=[2], survivors=[0, 1])
+    record = rec.record()
+    assert record["mode"] == "rollback"
+    assert record["resume_step"] == 4
+    assert record["source"] == 0
+    assert "replay log" in record["why_rollback"]
+    assert list(record["phases"]) == PHASES
+    assert record["total_s"] > 0
+    text = describe_recovery(record)
+    assert "rank 2" in text
+    assert "rollback" in text
+    assert "rolled back because the replay log is off" in text
+
+
+def test_record_without_parking_time_counts_zero():
+    plan = plan_rebuild({0: position(3)}, replaced=[1], generation=1)
+    rec = finished_recovery(plan, replaced=[1], survivors=[0])
+    rec.parked_at = None
+    assert rec.record()["phases"]["park"] == 0.0

@@ -1,0 +1,156 @@
+"""State transfer: a peer's structure is unpickled with a whitelist, and a real state dict
+crosses a two-rank gloo communicator intact."""
+
+import io
+import os
+import pickle
+import threading
+from collections import OrderedDict
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xmig.ccl import Communicator
+from xmig.state.transfer import TensorRef, _RestrictedUnpickler, pack, recv_state, send_state
+
+CPU = torch.device("cpu")
+
+
+class _Exploit:
+    """Unpickles into a call of ``os.system``: what a hostile peer would send."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_restricted_unpickler_refuses_a_callable():
+    data = pickle.dumps({"structure": _Exploit(), "tensors": []})
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def test_restricted_unpickler_refuses_an_arbitrary_class():
+    data = pickle.dumps({"structure": threading.Event, "tensors": []})
+    with pytest.raises(pickle.UnpicklingError, match="threading"):
+        _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def test_restricted_unpickler_refuses_a_raw_tensor():
+    """Tensors travel as buffers, never inside the pickle."""
+    data = pickle.dumps({"structure": torch.zeros(2), "tensors": []})
+    with pytest.raises(pickle.UnpicklingError):
+        _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def test_pack_structure_loads_through_the_restricted_unpickler():
+    """What ``pack`` produces uses only whitelisted classes, tensors replaced by references."""
+    t0, t1 = torch.arange(6.0).view(2, 3), torch.tensor([1, 2], dtype=torch.int64)
+    state = OrderedDict(a=t0, b=[t1, (1, "x", None)], c={3: 2.5, "s": {1, 2}})
+    meta, tensors = pack(state)
+    assert len(tensors) == 2
+    assert tensors[0] is not t0 and torch.equal(tensors[0], t0)
+    loaded = _RestrictedUnpickler(io.BytesIO(meta)).load()
+    assert loaded["tensors"] == [("float32", (2, 3), "cpu"), ("int64", (2,), "cpu")]
+    structure = loaded["structure"]
+    assert type(structure) is OrderedDict
+    assert structure["a"] == TensorRef(0)
+    assert structure["b"] == [TensorRef(1), (1, "x", None)]
+    assert structure["c"] == {3: 2.5, "s": {1, 2}}
+
+
+# ---- a real transfer -----------------------------------------------------------------------
+
+
+def _sample_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "extra": OrderedDict(
+            [
+                ("half", torch.randn(3, 2).to(torch.bfloat16)),
+                ("ids", torch.arange(10, dtype=torch.int64).view(2, 5)),
+                ("nested", [1, (2.5, torch.ones(2)), [torch.zeros(0), "text"], (None, True)]),
+            ]
+        ),
+        "step": 11,
+        "name": "run-a",
+    }
+
+
+def _tensor_bytes(value):
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _assert_same(got, want, path="state"):
+    assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype, path
+        assert got.shape == want.shape, path
+        assert got.device == want.device, path
+        assert torch.equal(got, want), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for key in want:
+            _assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, path
+
+
+def test_send_and_recv_state_over_gloo():
+    state = _sample_state()
+    # the optimizer state is keyed by parameter index and holds tensors
+    assert all(isinstance(k, int) for k in state["optimizer"]["state"])
+    assert isinstance(state["optimizer"]["state"][0]["exp_avg"], torch.Tensor)
+
+    store = dist.HashStore()
+    results: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def run(rank):
+        try:
+            comm = Communicator("gloo", "pairtest", 0, store, rank, 2, timedelta(seconds=30))
+            if rank == 0:
+                results["sent"] = send_state(comm, state, CPU)
+            else:
+                results["received"] = recv_state(comm, CPU, CPU)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "transfer did not finish within 30 s"
+    assert not errors, errors
+
+    got, recv_stats = results["received"]
+    send_stats = results["sent"]
+    _assert_same(got, state)
+    # the received tensors are new memory, not the sender's
+    assert got["model"]["0.weight"].data_ptr() != state["model"]["0.weight"].data_ptr()
+
+    tensor_bytes = _tensor_bytes(state)
+    assert tensor_bytes > 0
+    assert send_stats.bytes >= tensor_bytes
+    assert recv_stats.bytes >= tensor_bytes
+    assert send_stats.bytes == recv_stats.bytes
+    assert send_stats.seconds >= 0 and recv_stats.seconds >= 0
