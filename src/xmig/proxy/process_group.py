@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
-from xmig.proxy.oplog import INPUT_ARGS, OpRecord, signature_of, tensors_in
+from xmig.proxy.oplog import INPUT_ARGS, BufferPool, OpRecord, signature_of, tensors_in
 
 FORWARDED_OPS = tuple(INPUT_ARGS)
 
@@ -64,6 +64,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
         self.halted = False
         self.trouble: str | None = None
+        self._buffers = BufferPool()
+        self.log_copy_seconds = 0.0  # what the replay log has cost this process so far
+        self.log_copy_bytes = 0
         self._queue: deque[OpRecord] = deque()
         self._cv = threading.Condition()
         self._group_name = ""
@@ -90,9 +93,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
         with self._cv:
             self.step = step
             self.ops_in_step = 0
-            self.log = [r for r in self.log if r.step is not None and r.step >= step - 1]
+            kept = [r for r in self.log if r.step is not None and r.step >= step - 1]
             if not self.keep_log:
-                self.log = [r for r in self.log if r.state != "done"]
+                kept = [r for r in kept if r.state != "done"]
+            for record in self.log:
+                if record not in kept and record.state == "done":
+                    self._buffers.give_back(record.inputs)
+                    record.inputs = None
+            self.log = kept
 
     # ---- issuing -----------------------------------------------------------------------------
     def _issue(self, op: str, args: tuple[Any, ...]) -> dist.Work:
@@ -120,7 +128,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._serve_locally(record)
             return _create_work_from_future(future)
         if self.keep_log:
-            record.inputs = [t.detach().clone() for t in record.input_tensors]
+            started = time.perf_counter()
+            record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
+            self.log_copy_seconds += time.perf_counter() - started
+            self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs)
         with self._cv:
             self.log.append(record)
             self._queue.append(record)

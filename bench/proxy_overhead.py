@@ -1,0 +1,105 @@
+"""Worker script: the proxy's steady-state cost, measured step by step against plain DDP.
+
+    xmig run --nproc-per-node 2 bench/proxy_overhead.py --steps 40 --out result.json
+
+Each rank builds the demo GPT twice (same weights): one DDP over a plain gloo group, one over
+xmig's process group driven by ``session.steps()``. Steps alternate between the two (ABBA, so
+neither always goes first), and the drift of a shared machine hits both alike; a step through
+xmig includes its step boundary.
+Rank 0 writes the per-step wall times of both to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import train_gpt  # noqa: E402
+
+import xmig  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args, model_args = parser.parse_known_args()
+    gpt_args = train_gpt.parse_args(model_args)
+    cfg = train_gpt.build_config(gpt_args)
+
+    session = xmig.init(seed=gpt_args.seed)
+    plain_group = dist.new_group(backend="gloo")
+    torch.manual_seed(gpt_args.seed)
+    model_x = train_gpt.GPT(cfg)
+    model_p = copy.deepcopy(model_x)
+    ddp_x = DistributedDataParallel(model_x, process_group=session.process_group,
+                                    bucket_cap_mb=gpt_args.bucket_cap_mb)  # fmt: skip
+    ddp_p = DistributedDataParallel(model_p, process_group=plain_group,
+                                    bucket_cap_mb=gpt_args.bucket_cap_mb)  # fmt: skip
+    opt_x = torch.optim.AdamW(model_x.parameters(), lr=gpt_args.lr)
+    opt_p = torch.optim.AdamW(model_p.parameters(), lr=gpt_args.lr)
+    session.register(model=ddp_x, optimizer=opt_x)
+
+    def train(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, step: int) -> None:
+        x, y = train_gpt.synthetic_batch(gpt_args.seed, step, session.rank,
+                                         gpt_args.batch_size, cfg.block_size, cfg.vocab_size,
+                                         torch.device("cpu"))  # fmt: skip
+        loss = ddp(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    times: dict[str, list[float]] = {"plain": [], "xmig": []}
+    steps = session.steps(args.steps)
+
+    def plain_step(i: int) -> None:
+        started = time.perf_counter()
+        train(ddp_p, opt_p, i)
+        times["plain"].append(time.perf_counter() - started)
+
+    def xmig_step() -> None:
+        started = time.perf_counter()
+        train(ddp_x, opt_x, next(steps))
+        times["xmig"].append(time.perf_counter() - started)
+
+    for i in range(args.steps):  # ABBA: which one goes first alternates
+        if i % 2 == 0:
+            plain_step(i)
+            xmig_step()
+        else:
+            xmig_step()
+            plain_step(i)
+    next(steps, None)  # the last boundary
+    if session.rank == 0:
+        kept = {k: v[args.warmup :] for k, v in times.items()}
+        result = {
+            "step_times": times,
+            "median_ms": {k: statistics.median(v) * 1000 for k, v in kept.items()},
+            "mean_ms": {k: statistics.mean(v) * 1000 for k, v in kept.items()},
+            "paired_ratio_median": statistics.median(
+                x / p for x, p in zip(kept["xmig"], kept["plain"], strict=True)
+            ),
+            "parameters": sum(p.numel() for p in model_x.parameters()),
+            "log_copy_ms_per_step": session.proxy.log_copy_seconds / args.steps * 1000,
+            "log_copy_mb_per_step": session.proxy.log_copy_bytes / args.steps / 1e6,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"[rank0] plain {result['median_ms']['plain']:.1f} ms, xmig "
+              f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
+              f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

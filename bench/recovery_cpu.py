@@ -1,0 +1,203 @@
+"""CPU benchmark: plain DDP vs DDP through xmig's proxy, and recovery time by fault point.
+
+    python bench/recovery_cpu.py [--out bench/results/recovery-cpu.md]
+
+Runs the demo GPT on 2 ranks (gloo). Steady state: plain DDP and DDP through xmig in the same
+processes, steps alternating (``bench/proxy_overhead.py``), at two sizes.
+Recovery: a SIGKILL of rank 1 at each point of a step, each compared bit for bit with the
+fault-free run. Every run is bounded in time and its process group killed if it overruns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "examples" / "train_gpt.py"
+OVERHEAD = REPO / "bench" / "proxy_overhead.py"
+MODEL = ["--preset", "small", "--batch-size", "8"]
+SIZES = {  # name: (model flags, steps)
+    "small, 512 tokens/rank/step": (MODEL, 60),
+    "small, 2048 tokens/rank/step": ([*MODEL, "--block-size", "256"], 30),
+}
+WARMUP_STEPS = 5
+RUN_TIMEOUT_S = 600
+POINTS = ["forward", "backward", "optimizer", "boundary"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bounded(cmd: list[str], log: Path) -> int:
+    """Run ``cmd`` in its own process group; kill the group if it overruns."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{' '.join(cmd)} overran {RUN_TIMEOUT_S} s; see {log}") from None
+
+
+def paired(work: Path, name: str, steps: int, model: list[str]) -> dict:
+    """Plain DDP and DDP through xmig in the same processes, steps alternating (ABBA)."""
+    out = work / f"{name}.json"
+    cmd = [
+        sys.executable, "-m", "xmig", "run", "--nproc-per-node", "2", str(OVERHEAD),
+        "--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--out", str(out), *model,
+    ]  # fmt: skip
+    code = bounded(cmd, work / f"{name}.log")
+    if code != 0:
+        raise RuntimeError(f"the paired run {name} failed with exit code {code}; see {work}")
+    result = json.loads(out.read_text())
+    times = result["step_times"]
+    ratios = sorted(x / p for x, p in zip(times["xmig"][WARMUP_STEPS:],
+                                          times["plain"][WARMUP_STEPS:], strict=True))  # fmt: skip
+    result["ratio_q1"] = ratios[len(ratios) // 4]
+    result["ratio_q3"] = ratios[(3 * len(ratios)) // 4]
+    return result
+
+
+def xmig_summary(work: Path, name: str, steps: int, extra: list[str]) -> dict:
+    summary = work / f"{name}.json"
+    cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "2", "--summary",
+           str(summary), *extra, str(DEMO), *MODEL, "--steps", str(steps), "--quiet"]  # fmt: skip
+    bounded(cmd, work / f"{name}.log")
+    return json.loads(summary.read_text())
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
+    return f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB, Linux {platform.release()}, {versions}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recovery-cpu.md")
+    args = parser.parse_args()
+    command = "python bench/recovery_cpu.py " + " ".join(sys.argv[1:])
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    work = Path(tempfile.mkdtemp(prefix="xmig-bench-"))
+
+    overhead = {}
+    for name, (model, steps) in SIZES.items():
+        overhead[name] = result = paired(work, name.replace(" ", "_").replace("/", "-"),
+                                         steps, model)  # fmt: skip
+        print(f"{name}: plain {result['median_ms']['plain']:.1f} ms, xmig "
+              f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
+              f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+
+    fault_steps = 12
+    reference = xmig_summary(work, "reference", fault_steps, [])
+    recoveries = []
+    for point in POINTS:
+        spec = f"kill:rank=1:step=6:at={point}"
+        summary = xmig_summary(work, f"kill-{point}", fault_steps, ["--inject", spec])
+        identical = summary["final_params_sha256"] == reference["final_params_sha256"]
+        record = summary["recoveries"][0] if summary["recoveries"] else None
+        recoveries.append((spec, summary, record, identical))
+        total = f"{record['total_s']:.2f} s" if record else summary["message"]
+        print(f"{spec}: {total}, bit-identical {identical}", flush=True)
+
+    ratios = [r["paired_ratio_median"] for r in overhead.values()]
+    goal = ", ".join(f"{'met' if r <= 1.01 else 'not met'} ({r:.4f}, {n})"
+                     for n, r in zip(overhead, ratios, strict=True))  # fmt: skip
+    lines = [
+        "# Recovery on CPU: steady-state overhead and recovery time",
+        "",
+        f"Measured {started} with `{command}` (the demo GPT, `{' '.join(MODEL)}`, "
+        f"{reference.get('world_size', 2)} ranks, gloo).",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        "## Steady state: plain DDP vs DDP through the proxy",
+        "",
+        "Both in the same two processes, over the same gloo transport: one DDP over a plain "
+        "gloo group, one over xmig's process group driven by `session.steps()` (step boundary "
+        "included), steps alternating ABBA so the drift of this shared machine hits both "
+        f"alike (`bench/proxy_overhead.py`). Medians over steps {WARMUP_STEPS} and later; the "
+        "ratio is the median of the per-pair ratios, with its interquartile range.",
+        "",
+        "| model | parameters | plain DDP (ms) | through xmig (ms) | ratio | IQR |",
+        "|---|---|---|---|---|---|",
+        *[
+            f"| {name} | {r['parameters'] / 1e6:.2f} M | {r['median_ms']['plain']:.1f} | "
+            f"{r['median_ms']['xmig']:.1f} | **{r['paired_ratio_median']:.4f}** | "
+            f"{r['ratio_q1']:.3f}-{r['ratio_q3']:.3f} |"
+            for name, r in overhead.items()
+        ],  # fmt: skip
+        "",
+        f"Goal ≤ 1.01: {goal}.",
+        "",
+        "What the proxy costs: the replay log copies each collective's input before launch; "
+        "measured inside the runs, per step: "
+        + "; ".join(
+            f"{r['log_copy_ms_per_step']:.2f} ms for {r['log_copy_mb_per_step']:.1f} MB ({n})"
+            for n, r in overhead.items()
+        )  # fmt: skip
+        + ". The rest (a future per op, the step boundary) is below what this shared 2-core "
+        "machine resolves: the interquartile ranges of the pair ratios span several percent. "
+        "`--no-replay-log` drops the copy (a fault is then rolled back instead of replayed).",
+        "",
+        "## Recovery: SIGKILL of rank 1 at step 6",
+        "",
+        "Seconds from the fault to the survivor's parked collective completing, by phase "
+        "(detect: fault → agent notices; park: decision → survivors parked; respawn: decision "
+        "→ replacement connected; rebuild: new communicator; pull: state to the replacement, "
+        "including waiting for it to reach its step loop; replay: survivors re-issuing the step).",
+        "",
+        "| fault | mode | total | detect | park | respawn | rebuild | pull | replay | "
+        "pulled | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for spec, summary, record, identical in recoveries:
+        if record is None:
+            lines.append(f"| `{spec}` | not recovered: {summary['message']} |||||||||")
+            continue
+        p = record["phases"]
+        lines.append(
+            f"| `{spec}` | {record['mode']} | {record['total_s']:.2f} | {p['detect']:.3f} | "
+            f"{p['park']:.3f} | {p['respawn']:.2f} | {p['rebuild']:.2f} | {p['pull']:.2f} | "
+            f"{p['replay']:.3f} | {record['pull_bytes'] / 1e6:.1f} MB | "
+            f"{'yes' if identical else 'NO'} |"
+        )
+    lines += [
+        "",
+        "Where the time goes: a replacement is a fresh Python process. `respawn` is mostly "
+        "`import torch`; the `pull` phase is mostly the replacement constructing its model and "
+        "optimizer (the first `torch.optim` optimizer imports torch's compiler stack, ~1 s "
+        "here) before it asks for the state; the transfer itself is a few ms. A pre-started "
+        "spare process would remove both.",
+        "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
