@@ -91,7 +91,8 @@ def machine() -> str:
             break
     mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     versions = f"Python {platform.python_version()}, torch {torch.__version__}"
-    return f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB, Linux {platform.release()}, {versions}"
+    system = f"{os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB, Linux {platform.release()}"
+    return f"{cpu}, {system}, {versions}"
 
 
 def main() -> int:
