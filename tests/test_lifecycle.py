@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from helpers import DEMO, REPO, assert_all_gone, finish_run, job_processes, run, start_run, xmig
+from helpers import DEMO, finish_run, job_processes, run, start_run, xmig
 
 
 def _script(tmp_path, body):
@@ -156,14 +156,18 @@ def test_killed_launcher_takes_the_job_with_it(tmp_path):
     _wait_for(lambda: not job_processes(job["job_id"]), 15, "the job's processes to end")
 
 
-def test_inject_at_run_time(tmp_path):
-    proc = start_run(
-        ["--nproc-per-node", "2", str(DEMO), "--steps", "150", "--step-sleep", "0.05", "--quiet"],
-        tmp_path,
-    )
-    job = _job_file(tmp_path)
-    env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
-    _wait_for(lambda: "step " in xmig("status", env=env).stdout, 60, "the first steps")
+def test_inject_at_run_time_into_a_hot_spare(tmp_path, measure):
+    """A fault injected into a running job, once its hot spare is warm: the spare becomes the
+    replacement, and the run still ends bit for bit where the fault-free run does."""
+    job_args = ["--nproc-per-node", "2", str(DEMO), "--steps", "100", "--step-sleep", "0.05",
+                "--quiet"]  # fmt: skip
+    reference = run(job_args, tmp_path / "reference")
+    faulty = tmp_path / "faulty"
+    proc = start_run(job_args, faulty)
+    job = _job_file(faulty)
+    env = {"XMIG_JOBS_DIR": str(faulty / "jobs")}
+    _wait_for(lambda: "1 hot spare(s) ready" in xmig("status", env=env).stdout, 90,
+              "the hot spare")  # fmt: skip
     wrong = xmig("inject", "kill:rank=1", "--token", "0" * 64, env=env)
     assert wrong.returncode == 2 and "wrong job token" in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1
@@ -171,11 +175,15 @@ def test_inject_at_run_time(tmp_path):
     assert bad.returncode == 2 and "already at step" in bad.stderr
     ok = xmig("inject", "exit:rank=1:at=boundary:code=9", "--job", job["job_id"], env=env)
     assert ok.returncode == 0, ok.stderr
-    result = finish_run(proc, tmp_path, timeout=90)
-    fault = result.summary["faults"][0]
+    result = finish_run(proc, faulty, timeout=120)
+    summary = result.summary
+    fault = summary["faults"][0]
     assert (fault["rank"], fault["kind"], fault["detail"]) == (1, "exit", "exit code 9")
     assert fault["injected"]["at"] == "boundary"
-    assert result.returncode == 0 and result.summary["status"] == "completed"
-    assert [r["mode"] for r in result.summary["recoveries"]] == ["respawn"]
-    assert_all_gone(result.summary)
-    assert REPO.exists()
+    assert result.returncode == 0 and summary["status"] == "completed"
+    record = summary["recoveries"][0]
+    assert record["mode"] == "respawn" and record["from_spare"] == [True]
+    assert summary["final_params_sha256"] == reference.summary["final_params_sha256"]
+    assert len(summary["worker_pids"]["0"]) == 1 and len(summary["worker_pids"]["1"]) == 2
+    phases = " ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
+    measure(f"exit of rank 1 into a hot spare: {record['total_s']:.2f} s ({phases})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import selectors
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from xmig.agent.spare import READY_FD as SPARE_READY_FD
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
 from xmig.procs import die_with_parent
@@ -41,6 +43,18 @@ class Worker:
         return self.proc.pid
 
 
+@dataclass
+class Spare:
+    """A pre-started interpreter (``xmig.agent.spare``) waiting to become a worker."""
+
+    proc: subprocess.Popen
+    ready_fd: int
+    ready: bool = False
+
+
+SPARE_DELAY_S = 5.0  # a new spare waits this long, so its start does not slow a recovery
+
+
 def describe_exit(returncode: int) -> tuple[str, str]:
     """(kind, detail) for a worker's exit status: a signal or an exit code."""
     if returncode < 0:
@@ -65,6 +79,8 @@ class Agent:
         self.node_rank = node_rank
         self.workers: dict[int, Worker] = {}
         self.fired: dict[int, list[dict[str, Any]]] = {}  # injected faults already carried out
+        self.spares: list[Spare] = []
+        self._spare_due = 0.0
         self.job: dict[str, Any] = {}
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -148,6 +164,8 @@ class Agent:
                 if key.fileobj == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
+                elif isinstance(key.data, Spare):
+                    self._spare_ready(key.data)
                 else:
                     self._reap(key.data)
             while True:
@@ -159,6 +177,7 @@ class Agent:
                 if result is not None:
                     return result
             self._check_heartbeats()
+            self._keep_spares()
 
     def _handle_event(self, kind: str, data: Any) -> int | None:
         if kind == "progress":
@@ -257,8 +276,32 @@ class Agent:
             recovery_timeout=float(job.get("recovery_timeout", 120.0)),
             faults=faults,
         )
-        environ = dict(os.environ)
+        environ = self._base_environ()
         environ.update(env.to_environ())
+        proc = self._take_spare(environ) if attempt > 0 else None
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, job["script"], *job["args"]],
+                cwd=job["cwd"],
+                env=environ,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        pidfd = os.pidfd_open(proc.pid)
+        worker = Worker(rank=rank, local_rank=local_rank, proc=proc, pidfd=pidfd, attempt=attempt)
+        with self._lock:
+            self.workers[rank] = worker
+        self._selector.register(pidfd, selectors.EVENT_READ, rank)
+        from_spare = attempt > 0 and proc.args[:3] == [sys.executable, "-m", "xmig.agent.spare"]
+        self._notify("worker_started", rank=rank, pid=proc.pid, attempt=attempt, t=time.time(),
+                     from_spare=from_spare)  # fmt: skip
+        return worker
+
+    def _base_environ(self) -> dict[str, str]:
+        """What every worker of this node (and every spare) starts with."""
+        job = self.job
+        environ = dict(os.environ)
         environ["LOCAL_WORLD_SIZE"] = str(job["nproc_per_node"])
         environ[COORD_ADDR] = format_address(self.coord_addr)
         environ[JOB_ID] = job["job_id"]
@@ -268,21 +311,74 @@ class Agent:
             # as torchrun does, but for every multi-rank job: all simulated nodes share this
             # machine, and a rank's numerics must not depend on how ranks map to nodes
             environ.setdefault("OMP_NUM_THREADS", "1")
+        return environ
+
+    # ---- hot spares ---------------------------------------------------------------------------
+    def _keep_spares(self) -> None:
+        wanted = int(self.job.get("hot_spares", 0))
+        if len(self.spares) >= wanted or time.monotonic() < self._spare_due:
+            return
+        # the first spare starts once this node's workers are up, not while they import
+        if any(w.state == "starting" for w in self.workers.values()):
+            return
+        ready_r, ready_w = os.pipe()
+        environ = self._base_environ()
+        environ[SPARE_READY_FD] = str(ready_w)
         proc = subprocess.Popen(
-            [sys.executable, job["script"], *job["args"]],
-            cwd=job["cwd"],
+            [sys.executable, "-m", "xmig.agent.spare"],
+            cwd=self.job["cwd"],
             env=environ,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
+            pass_fds=(ready_w,),
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        pidfd = os.pidfd_open(proc.pid)
-        worker = Worker(rank=rank, local_rank=local_rank, proc=proc, pidfd=pidfd, attempt=attempt)
-        with self._lock:
-            self.workers[rank] = worker
-        self._selector.register(pidfd, selectors.EVENT_READ, rank)
-        self._notify("worker_started", rank=rank, pid=proc.pid, attempt=attempt, t=time.time())
-        return worker
+        os.close(ready_w)
+        spare = Spare(proc, ready_r)
+        self.spares.append(spare)
+        self._selector.register(ready_r, selectors.EVENT_READ, spare)
+
+    def _spare_ready(self, spare: Spare) -> None:
+        self._selector.unregister(spare.ready_fd)
+        spare.ready = os.read(spare.ready_fd, 1) == b"1"
+        os.close(spare.ready_fd)
+        if spare.ready:
+            self._notify("spares", node=self.node_rank, ready=sum(s.ready for s in self.spares))
+        if not spare.ready:
+            spare.proc.wait()  # it died while warming up; _keep_spares starts another
+            self.spares.remove(spare)
+
+    def _take_spare(self, environ: dict[str, str]) -> subprocess.Popen | None:
+        """Hand a warm spare the worker's environment; None when no spare is ready."""
+        for spare in list(self.spares):
+            if not spare.ready:
+                continue
+            self.spares.remove(spare)
+            order = {"env": environ, "script": self.job["script"], "args": self.job["args"],
+                     "cwd": self.job["cwd"]}  # fmt: skip
+            try:
+                assert spare.proc.stdin is not None
+                spare.proc.stdin.write((json.dumps(order) + "\n").encode())
+                spare.proc.stdin.close()
+            except OSError:
+                spare.proc.kill()
+                spare.proc.wait()
+                continue
+            self._spare_due = time.monotonic() + SPARE_DELAY_S
+            self._notify("spares", node=self.node_rank, ready=sum(s.ready for s in self.spares))
+            return spare.proc
+        return None
+
+    def _stop_spares(self) -> None:
+        for spare in self.spares:
+            spare.proc.kill()
+        for spare in self.spares:
+            spare.proc.wait()
+            if not spare.ready:
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    self._selector.unregister(spare.ready_fd)
+                    os.close(spare.ready_fd)
+        self.spares.clear()
 
     def _reap(self, rank: int) -> None:
         worker = self.workers[rank]
@@ -377,6 +473,8 @@ class Agent:
             pass
 
     def _stop_workers(self, grace: float) -> None:
+        self._stop_spares()
+        self.job["hot_spares"] = 0  # a stopping job needs none
         live = [w for w in self.workers.values() if w.state != "exited"]
         for worker in live:
             worker.state = "stopping"

@@ -65,6 +65,7 @@ class Coordinator:
         self.summary: dict[str, Any] | None = None
         self.launchers: list[Peer] = []
         self.joined: set[int] = set()
+        self.spares_ready: dict[int, int] = {}
         self.recovery: Recovery | None = None
         self.recovery_deadline = 0.0
         self._lock = threading.RLock()
@@ -96,7 +97,12 @@ class Coordinator:
                     "node": int(peer.info.get("node", -1)),
                     "pid": int(msg["pid"]),
                     "attempt": int(msg["attempt"]),
+                    "from_spare": bool(msg.get("from_spare")),
                 }
+                if self.recovery is not None and rank in self.recovery.replaced:
+                    self.recovery.from_spare[rank] = bool(msg.get("from_spare"))
+            elif op == "spares":
+                self.spares_ready[int(msg["node"])] = int(msg["ready"])
             elif op == "progress":
                 self.progress[int(msg["rank"])] = int(msg["step"])
             elif op == "worker_done":
@@ -139,6 +145,7 @@ class Coordinator:
             "world_size": self.spec.world_size,
             "progress": {str(r): s for r, s in sorted(self.progress.items())},
             "faults": len(self.faults),
+            "spares_ready": sum(self.spares_ready.values()),
         }
 
     def _inject(self, msg: dict[str, Any]) -> str:

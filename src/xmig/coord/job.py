@@ -26,6 +26,7 @@ class JobSpec:
     keep_log: bool = True
     recovery_timeout: float = 120.0
     max_recoveries: int = 10
+    hot_spares: int = 1
 
     @property
     def world_size(self) -> int:

@@ -83,6 +83,7 @@ class Recovery:
     plan: dict[str, Any] | None = None
     joined: dict[int, float] = field(default_factory=dict)
     recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
+    from_spare: dict[int, bool] = field(default_factory=dict)
 
     @property
     def expected(self) -> set[int]:
@@ -128,6 +129,7 @@ class Recovery:
             "why_rollback": self.plan.get("why"),
             "phases": {k: round(v, 4) for k, v in phases.items()},
             "total_s": round(resumed - float(fault["t_fault"]), 4),
+            "from_spare": [self.from_spare.get(r, False) for r in self.replaced],
             "pull_bytes": pull_bytes,
             "pull_gb_per_s": round(pull_bytes / pull_s / 1e9, 3) if pull_s > 0 else None,
         }

@@ -90,6 +90,13 @@ def run(
     max_recoveries: Annotated[
         int, typer.Option(help="Recoveries allowed in one job before a fault stops it.")
     ] = 10,
+    hot_spares: Annotated[
+        int,
+        typer.Option(
+            help="Pre-started interpreters per node (torch loaded) that become replacement "
+            "ranks in milliseconds; 0 starts replacements from scratch."
+        ),
+    ] = 1,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -108,6 +115,8 @@ def run(
         raise click.UsageError("--recovery-timeout must be positive")
     if max_recoveries < 0:
         raise click.UsageError("--max-recoveries must not be negative")
+    if hot_spares < 0:
+        raise click.UsageError("--hot-spares must not be negative")
     try:
         faults = parse_faults(inject or [], nnodes * nproc_per_node)
     except FaultSpecError as exc:
@@ -128,6 +137,7 @@ def run(
         keep_log=not no_replay_log,
         recovery_timeout=recovery_timeout,
         max_recoveries=max_recoveries,
+        hot_spares=hot_spares,
     )
     try:
         code = Launcher(spec, summary).run()
@@ -197,7 +207,8 @@ def status_cmd(job: JobOpt = None, coord: CoordOpt = None, token: TokenOpt = Non
     progress = ", ".join(f"rank {r}: step {s}" for r, s in status["progress"].items())
     print(
         f"job {status['job_id']}: {status['status']}, generation {status['generation']}, "
-        f"{status['world_size']} ranks, {status['faults']} fault(s); {progress or 'no steps yet'}"
+        f"{status['world_size']} ranks, {status['faults']} fault(s), "
+        f"{status['spares_ready']} hot spare(s) ready; {progress or 'no steps yet'}"
     )
 
 
