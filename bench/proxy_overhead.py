@@ -40,13 +40,17 @@ def main() -> None:
     cfg = train_gpt.build_config(gpt_args)
 
     session = xmig.init(seed=gpt_args.seed)
-    plain_group = dist.new_group(backend="gloo")
+    device = session.device
+    plain_group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True)
     torch.manual_seed(gpt_args.seed)
-    model_x = train_gpt.GPT(cfg)
+    model_x = train_gpt.GPT(cfg).to(device)
     model_p = copy.deepcopy(model_x)
-    ddp_x = DistributedDataParallel(model_x, process_group=session.process_group,
+    ids = [device.index] if device.type == "cuda" else None
+    ddp_x = DistributedDataParallel(model_x, process_group=session.process_group, device_ids=ids,
                                     bucket_cap_mb=gpt_args.bucket_cap_mb)  # fmt: skip
-    ddp_p = DistributedDataParallel(model_p, process_group=plain_group,
+    ddp_p = DistributedDataParallel(model_p, process_group=plain_group, device_ids=ids,
                                     bucket_cap_mb=gpt_args.bucket_cap_mb)  # fmt: skip
     opt_x = torch.optim.AdamW(model_x.parameters(), lr=gpt_args.lr)
     opt_p = torch.optim.AdamW(model_p.parameters(), lr=gpt_args.lr)
@@ -55,11 +59,13 @@ def main() -> None:
     def train(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, step: int) -> None:
         x, y = train_gpt.synthetic_batch(gpt_args.seed, step, session.rank,
                                          gpt_args.batch_size, cfg.block_size, cfg.vocab_size,
-                                         torch.device("cpu"))  # fmt: skip
+                                         device)  # fmt: skip
         loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a step's time is its GPU work too
 
     times: dict[str, list[float]] = {"plain": [], "xmig": []}
     steps = session.steps(args.steps)

@@ -16,6 +16,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,8 @@ SIZES = {  # name: (model flags, steps)
 WARMUP_STEPS = 5
 RUN_TIMEOUT_S = 600
 POINTS = ["forward", "backward", "optimizer", "boundary"]
+SLOW = ["--step-sleep", "0.3"]
+FAULT_STEP = 10
 
 
 def free_port() -> int:
@@ -56,11 +59,13 @@ def bounded(cmd: list[str], log: Path) -> int:
             raise RuntimeError(f"{' '.join(cmd)} overran {RUN_TIMEOUT_S} s; see {log}") from None
 
 
-def paired(work: Path, name: str, steps: int, model: list[str]) -> dict:
+def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2) -> dict:
     """Plain DDP and DDP through xmig in the same processes, steps alternating (ABBA)."""
     out = work / f"{name}.json"
     cmd = [
-        sys.executable, "-m", "xmig", "run", "--nproc-per-node", "2", str(OVERHEAD),
+        # no hot spare: its warm-up would run beside the measured steps
+        sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(nproc), "--hot-spares", "0",
+        str(OVERHEAD),
         "--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--out", str(out), *model,
     ]  # fmt: skip
     code = bounded(cmd, work / f"{name}.log")
@@ -75,10 +80,14 @@ def paired(work: Path, name: str, steps: int, model: list[str]) -> dict:
     return result
 
 
-def xmig_summary(work: Path, name: str, steps: int, extra: list[str]) -> dict:
+def xmig_summary(
+    work: Path, name: str, steps: int, flags: list[str], script_flags: list[str]
+) -> dict:
+    """``xmig run FLAGS demo SCRIPT_FLAGS`` with a summary; returns the summary."""
     summary = work / f"{name}.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "2", "--summary",
-           str(summary), *extra, str(DEMO), *MODEL, "--steps", str(steps), "--quiet"]  # fmt: skip
+           str(summary), *flags, str(DEMO), *MODEL, "--steps", str(steps), "--quiet",
+           *script_flags]  # fmt: skip
     bounded(cmd, work / f"{name}.log")
     return json.loads(summary.read_text())
 
@@ -111,12 +120,16 @@ def main() -> int:
               f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
               f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
 
-    fault_steps = 12
-    reference = xmig_summary(work, "reference", fault_steps, [])
+    # slow steps (a sleep, which changes no number) give the hot spare time to warm up first
+    fault_steps = 16
+    reference = xmig_summary(work, "reference", fault_steps, [], SLOW)
     recoveries = []
-    for point in POINTS:
-        spec = f"kill:rank=1:step=6:at={point}"
-        summary = xmig_summary(work, f"kill-{point}", fault_steps, ["--inject", spec])
+    cases = [(point, []) for point in POINTS]
+    cases += [(point, ["--hot-spares", "0"]) for point in POINTS]
+    for point, extra in cases:
+        spec = f"kill:rank=1:step={FAULT_STEP}:at={point}"
+        name = f"kill-{point}{'-cold' if extra else ''}"
+        summary = xmig_summary(work, name, fault_steps, [*extra, "--inject", spec], SLOW)
         identical = summary["final_params_sha256"] == reference["final_params_sha256"]
         record = summary["recoveries"][0] if summary["recoveries"] else None
         recoveries.append((spec, summary, record, identical))
@@ -163,35 +176,47 @@ def main() -> int:
         "machine resolves: the interquartile ranges of the pair ratios span several percent. "
         "`--no-replay-log` drops the copy (a fault is then rolled back instead of replayed).",
         "",
-        "## Recovery: SIGKILL of rank 1 at step 6",
+        f"## Recovery: SIGKILL of rank 1 at step {FAULT_STEP}",
         "",
         "Seconds from the fault to the survivor's parked collective completing, by phase "
         "(detect: fault → agent notices; park: decision → survivors parked; respawn: decision "
         "→ replacement connected; rebuild: new communicator; pull: state to the replacement, "
         "including waiting for it to reach its step loop; replay: survivors re-issuing the step).",
         "",
-        "| fault | mode | total | detect | park | respawn | rebuild | pull | replay | "
-        "pulled | bit-identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"The job runs with `{' '.join(SLOW)}` in the script (no effect on any number) so that "
+        "the node's hot spare is warm before the fault; the cold rows use `--hot-spares 0`.",
+        "",
+        "| fault | replacement | mode | total | detect | park | respawn | rebuild | pull | "
+        "replay | pulled | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, summary, record, identical in recoveries:
         if record is None:
-            lines.append(f"| `{spec}` | not recovered: {summary['message']} |||||||||")
+            lines.append(f"| `{spec}` | | not recovered: {summary['message']} |||||||||")
             continue
         p = record["phases"]
+        origin = "hot spare" if all(record.get("from_spare") or [False]) else "cold start"
         lines.append(
-            f"| `{spec}` | {record['mode']} | {record['total_s']:.2f} | {p['detect']:.3f} | "
-            f"{p['park']:.3f} | {p['respawn']:.2f} | {p['rebuild']:.2f} | {p['pull']:.2f} | "
-            f"{p['replay']:.3f} | {record['pull_bytes'] / 1e6:.1f} MB | "
+            f"| `{spec}` | {origin} | {record['mode']} | {record['total_s']:.2f} | "
+            f"{p['detect']:.3f} | {p['park']:.3f} | {p['respawn']:.2f} | {p['rebuild']:.2f} | "
+            f"{p['pull']:.2f} | {p['replay']:.3f} | {record['pull_bytes'] / 1e6:.1f} MB | "
             f"{'yes' if identical else 'NO'} |"
         )
+    spare = [r for _, _, r, _ in recoveries if r and all(r.get("from_spare") or [False])]
+    cold = [r for _, _, r, _ in recoveries if r and not any(r.get("from_spare") or [False])]
+    if spare and cold:
+        spare_s = statistics.median(r["total_s"] for r in spare)
+        cold_s = statistics.median(r["total_s"] for r in cold)
+        lines += ["", f"Median total: {spare_s:.2f} s from a hot spare, {cold_s:.2f} s from a "
+                  f"cold start ({cold_s / spare_s:.1f}x)."]  # fmt: skip
     lines += [
         "",
-        "Where the time goes: a replacement is a fresh Python process. `respawn` is mostly "
-        "`import torch`; the `pull` phase is mostly the replacement constructing its model and "
-        "optimizer (the first `torch.optim` optimizer imports torch's compiler stack, ~1 s "
-        "here) before it asks for the state; the transfer itself is a few ms. A pre-started "
-        "spare process would remove both.",
+        "Where the time goes: from a cold start, `respawn` is mostly `import torch`, and the "
+        "`pull` phase is mostly the replacement building its model and optimizer (the first "
+        "`torch.optim` optimizer imports torch's compiler stack, about a second here) before "
+        "it asks for the state; the transfer itself takes milliseconds. A hot spare has both "
+        "done before the fault. `replay` at forward/backward is the survivor waiting while "
+        "the replacement recomputes the step up to the parked collective.",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+# deterministic cuBLAS on GPU; must be set before CUDA starts
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel

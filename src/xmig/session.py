@@ -28,6 +28,30 @@ from xmig.state import params_sha256, recv_state, reseed, send_state
 BACKEND_NAME = "xmig"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 STATE_LOCK_TIMEOUT_S = 60.0
+# NCCL errors and timeouts must come back to the proxy, not end the process from torch's
+# watchdog; read by ProcessGroupNCCL when a communicator is created
+NCCL_ENVIRONMENT = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+# errors after which the CUDA context is unusable: the process must be replaced
+STICKY_CUDA_ERRORS = (
+    "illegal memory access",
+    "illegal instruction",
+    "misaligned address",
+    "device-side assert",
+    "unspecified launch failure",
+    "uncorrectable ECC error",
+    "CUDA error: an illegal",
+)
+
+
+def is_sticky_cuda_error(text: str) -> bool:
+    """True for a CUDA error that leaves the context unusable (the rank must be respawned)."""
+    lowered = text.lower()
+    return any(marker.lower() in lowered for marker in STICKY_CUDA_ERRORS)
 
 
 class XmigError(RuntimeError):
@@ -98,6 +122,9 @@ class Session:
                 "torch.distributed is already initialized: call xmig.init() instead of "
                 "dist.init_process_group(), it sets up the process group itself"
             )
+        if self.backend == "nccl":
+            for name, value in NCCL_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)
         _register_backend(self.backend)
         created: list[ProxyProcessGroup] = []
 
@@ -319,6 +346,9 @@ class Session:
             print(f"xmig: rank {self.rank}: collective failed and no agent can help: {error}",
                   file=sys.stderr, flush=True)  # fmt: skip
             os._exit(1)
+        if is_sticky_cuda_error(error):
+            # the CUDA context is lost: only a new process can go on; the agent respawns it
+            self._die(f"unrecoverable CUDA error, this process must be replaced: {error}")
         self.link.report_comm_error(error, self.step, self.proxy.generation)
         started = self._recoveries_started
         threading.Thread(target=self._trouble_watchdog, args=(started,), daemon=True).start()
@@ -395,6 +425,7 @@ class Session:
             raise RecoveryFailed("the framework held the state lock too long")
         try:
             self.proxy.halt()
+            self.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
             self.link.report("parked", generation=generation, position=self._position())
             plan = self._next_plan("rebuild", generation)
             parked = time.monotonic()

@@ -9,6 +9,7 @@ communicator and re-issues the step's ops (``replay``), or serves them locally (
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -220,6 +221,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 record.state, record.work = "queued", None
                 record.done_event.set()  # wakes the waiter if it waits on this op
             self._cv.notify_all()
+
+    def abort_communicator(self) -> None:
+        """Abort the current communicator so ops stuck in it return (NCCL); gloo ops cannot
+        be aborted and are abandoned instead (they end at their timeout)."""
+        backend = self.communicator.backend
+        if self.communicator.kind == "nccl" and hasattr(backend, "abort"):
+            with contextlib.suppress(Exception):  # an already broken communicator
+                backend.abort()
 
     def pending(self) -> list[OpRecord]:
         with self._cv:

@@ -127,6 +127,11 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the transfer is complete, and its time is true
+
+
 def send_state(comm: Communicator, state: Any, control_device: torch.device) -> TransferStats:
     """Send ``state`` to the other member of the two-rank ``comm`` (this rank is its rank 0)."""
     started = time.monotonic()
@@ -139,6 +144,7 @@ def send_state(comm: Communicator, state: Any, control_device: torch.device) -> 
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
         _broadcast(comm, flat)
         total += flat.numel() * flat.element_size()
+    _synchronize(control_device)
     return TransferStats(total + len(meta), time.monotonic() - started)
 
 
@@ -165,4 +171,5 @@ def recv_state(
         for i, part in zip(indices, flat.split(numels), strict=True):
             tensors[i] = part.view(specs[i][1])
     state = _fill(meta["structure"], tensors)  # type: ignore[arg-type]
+    _synchronize(tensor_device)
     return state, TransferStats(total + int(size.item()), time.monotonic() - started)
