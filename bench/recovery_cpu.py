@@ -81,12 +81,18 @@ def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2) 
 
 
 def xmig_summary(
-    work: Path, name: str, steps: int, flags: list[str], script_flags: list[str]
+    work: Path,
+    name: str,
+    steps: int,
+    flags: list[str],
+    script_flags: list[str],
+    model: list[str] = MODEL,
+    nproc: int = 2,
 ) -> dict:
     """``xmig run FLAGS demo SCRIPT_FLAGS`` with a summary; returns the summary."""
     summary = work / f"{name}.json"
-    cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "2", "--summary",
-           str(summary), *flags, str(DEMO), *MODEL, "--steps", str(steps), "--quiet",
+    cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(nproc), "--summary",
+           str(summary), *flags, str(DEMO), *model, "--steps", str(steps), "--quiet",
            *script_flags]  # fmt: skip
     bounded(cmd, work / f"{name}.log")
     return json.loads(summary.read_text())

@@ -90,7 +90,7 @@ class Session:
         self._suppressed_step = False
         self._optimizer_waiting = False
         self.link: AgentLink | None = None
-        self.injector = Injector(env.rank, announce=self._announce)
+        self.injector = Injector(env.rank, self._announce, current_step=lambda: self.step)
         for fault in env.faults:
             self.injector.add(fault)
         if env.managed:

@@ -12,7 +12,7 @@ from typing import Any
 
 from xmig.coord.job import JobSpec, describe_fault
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
-from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
+from xmig.faults.spec import FaultSpecError, parse_fault
 from xmig.wire import Peer, Server, format_address
 
 # faults detected within this window of the first one are weighed together: the earliest is
@@ -160,9 +160,8 @@ class Coordinator:
         if self.status != "running":
             raise ValueError(f"the job is {self.status}, not running")
         current = self.progress.get(fault.rank)
-        if fault.step is None:
-            fault = FaultSpec(fault.kind, fault.rank, (current or 0) + 1, fault.at, fault.code)
-        elif current is not None and fault.step <= current:
+        # without a step the rank itself takes its next step: progress seen here may lag
+        if fault.step is not None and current is not None and fault.step <= current:
             raise ValueError(f"rank {fault.rank} is already at step {current}")
         node = self.members.get(fault.rank, {}).get("node")
         agent = self.agents.get(node) if node is not None else None

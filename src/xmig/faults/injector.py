@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from xmig.faults.spec import FaultSpec
 
@@ -21,9 +22,15 @@ class Injector:
     agent what is about to happen and when, so detection latency can be measured.
     """
 
-    def __init__(self, rank: int, announce: Callable[[FaultSpec], None]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        announce: Callable[[FaultSpec], None],
+        current_step: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self.rank = rank
         self._announce = announce
+        self._current_step = current_step
         self._pending: list[FaultSpec] = []
         self._armed_raise: FaultSpec | None = None
         self._lock = threading.Lock()
@@ -31,6 +38,8 @@ class Injector:
     def add(self, spec: FaultSpec) -> None:
         if spec.rank != self.rank:
             raise ValueError(f"fault {spec} is for rank {spec.rank}, this is rank {self.rank}")
+        if spec.step is None:  # "the next step", as this rank sees it
+            spec = replace(spec, step=(self._current_step() or 0) + 1)
         with self._lock:
             self._pending.append(spec)
 

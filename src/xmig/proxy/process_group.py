@@ -25,6 +25,7 @@ from xmig.ccl import Communicator
 from xmig.proxy.oplog import INPUT_ARGS, BufferPool, OpRecord, signature_of, tensors_in
 
 FORWARDED_OPS = tuple(INPUT_ARGS)
+GPU_POLL_S = 50e-6
 
 BeforeOp = Callable[[int | None, int, str], None]
 
@@ -66,6 +67,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.halted = False
         self.trouble: str | None = None
         self._buffers = BufferPool()
+        self._side_streams: dict[torch.device, Any] = {}
         self.log_copy_seconds = 0.0  # what the replay log has cost this process so far
         self.log_copy_bytes = 0
         self._queue: deque[OpRecord] = deque()
@@ -107,8 +109,11 @@ class ProxyProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         index = self.ops_in_step
         self.ops_in_step += 1
-        future: torch.futures.Future = torch.futures.Future()
+        device = next((t.device for t in tensors_in(args) if t.is_cuda), None)
+        # a CUDA-aware future: whoever waits on it also waits for the GPU work behind it
+        future = torch.futures.Future(devices=[device]) if device else torch.futures.Future()
         record = OpRecord(self.step, index, op, args, signature_of(op, args), future)
+        record.device = device
         injected: BaseException | None = None
         if self.before_op is not None:
             try:
@@ -130,9 +135,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
             return _create_work_from_future(future)
         if self.keep_log:
             started = time.perf_counter()
-            record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
+            self._log_inputs(record)
             self.log_copy_seconds += time.perf_counter() - started
-            self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs)
+            self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
         with self._cv:
             self.log.append(record)
             self._queue.append(record)
@@ -146,9 +151,31 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._cv.notify_all()
         return _create_work_from_future(future)
 
+    def _log_inputs(self, record: OpRecord) -> None:
+        tensors = record.input_tensors
+        if not tensors or not tensors[0].is_cuda:
+            record.inputs = [self._buffers.copy_of(t) for t in tensors]
+            return
+        # on GPU the copy runs on a side stream, beside the compute that follows; the op is
+        # launched from that stream, so NCCL waits for the copy and the compute does not
+        device = tensors[0].device
+        stream = self._side_streams.get(device)
+        if stream is None:
+            stream = self._side_streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            record.inputs = [self._buffers.copy_of(t) for t in tensors]
+        for tensor in tensors:
+            tensor.record_stream(stream)
+        record.stream = stream
+
     def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
         try:
-            work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+            if record.stream is not None:
+                with torch.cuda.stream(record.stream):
+                    work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+            else:
+                work = getattr(self.communicator.backend, record.op)(*(args or record.args))
         except Exception as exc:  # a communicator that is already broken
             record.state, record.error = "failed", str(exc)
             record.done_event.set()
@@ -177,6 +204,12 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     self._launch(record)
                 event, work = record.done_event, record.work
             event.wait()
+            if record.device is not None and work is not None:
+                # NCCL marks its future done at launch; an op has finished only once its GPU
+                # work has. Completing earlier would let the framework run ahead of a
+                # collective that a fault can still break (and read its half-written output).
+                while not self.halted and record.work is work and not work.is_completed():
+                    time.sleep(GPU_POLL_S)
             with self._cv:
                 if self.halted or not self._queue or self._queue[0] is not record:
                     continue  # recovery took this op over
@@ -201,7 +234,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             if callback is not None:
                 callback(error)
             elif error is None:
-                record.future.set_result(value)
+                _complete(record, record.work, value)
 
     def _remember(self, record: OpRecord) -> None:
         if record.op == "broadcast":
@@ -254,6 +287,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
         results complete the framework's futures). Returns the seconds it took."""
         started = time.monotonic()
         records = self.logged(from_step)
+        for record in records:
+            if record.stream is not None:  # the logged copies are complete before use
+                torch.cuda.current_stream(record.stream.device).wait_stream(record.stream)
         with self._cv:
             pending_ids = {id(r) for r in self._queue}
             older = [r for r in self._queue if r.step is None or r.step < from_step]
@@ -277,14 +313,20 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 self._queue.remove(record)
                 record.state, record.error, record.work = "done", None, work
                 self._remember(record)
-            record.future.set_result(value)
+            _complete(record, work, value)
         return time.monotonic() - started
 
     @staticmethod
     def _wait(work: dist.Work, timeout: float, record: OpRecord) -> None:
         done = threading.Event()
         work.get_future().add_done_callback(lambda _f: done.set())
-        if not done.wait(timeout):
+        deadline = time.monotonic() + timeout
+        finished = done.wait(timeout)
+        if finished and record.device is not None:
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(GPU_POLL_S)
+            finished = work.is_completed()
+        if not finished:
             raise TimeoutError(
                 f"re-issued op {record.index} of step {record.step} ({record.op}) did not "
                 f"complete within {timeout:.0f} s"
@@ -311,6 +353,17 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 record.state, record.error, record.work = "queued", None, None
                 record.done_event = threading.Event()
             self._cv.notify_all()
+
+
+def _complete(record: OpRecord, work: dist.Work | None, value: Any) -> None:
+    """Hand the framework its result. On GPU the completing thread's stream first waits for
+    the op (NCCL marks its futures done at launch), so the CUDA-aware future's event covers it."""
+    if record.device is None or work is None:
+        record.future.set_result(value)
+        return
+    with torch.cuda.device(record.device):
+        work.wait()  # a stream wait, not a CPU wait
+        record.future.set_result(value)
 
 
 def _forwarder(op: str) -> Callable[..., dist.Work]:

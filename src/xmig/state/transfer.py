@@ -111,10 +111,17 @@ def _groups(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[tuple[str, st
     return groups
 
 
-def _broadcast(comm: Communicator, tensor: torch.Tensor) -> None:
+def _broadcast(comm: Communicator, tensor: torch.Tensor, device: torch.device) -> None:
+    """Broadcast from the pair's rank 0; NCCL carries only GPU tensors, so CPU ones (an
+    optimizer's step counters) travel through ``device`` and come back."""
+    staged = tensor
+    if comm.kind == "nccl" and not tensor.is_cuda:
+        staged = tensor.to(device)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    comm.backend.broadcast([tensor], opts).wait()
+    comm.backend.broadcast([staged], opts).wait()
+    if staged is not tensor:
+        tensor.copy_(staged)
 
 
 @dataclass
@@ -136,13 +143,13 @@ def send_state(comm: Communicator, state: Any, control_device: torch.device) -> 
     """Send ``state`` to the other member of the two-rank ``comm`` (this rank is its rank 0)."""
     started = time.monotonic()
     meta, tensors = pack(state)
-    _broadcast(comm, torch.tensor([len(meta)], dtype=torch.int64, device=control_device))
-    _broadcast(comm, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(control_device))
+    _broadcast(comm, torch.tensor([len(meta)], dtype=torch.int64), control_device)
+    _broadcast(comm, torch.frombuffer(bytearray(meta), dtype=torch.uint8), control_device)
     total = 0
     specs = pickle.loads(meta)["tensors"]
     for indices in _groups(specs).values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        _broadcast(comm, flat)
+        _broadcast(comm, flat, control_device)
         total += flat.numel() * flat.element_size()
     _synchronize(control_device)
     return TransferStats(total + len(meta), time.monotonic() - started)
@@ -153,10 +160,10 @@ def recv_state(
 ) -> tuple[Any, TransferStats]:
     """Receive what ``send_state`` sent; tensors land on ``tensor_device`` (CPU ones stay CPU)."""
     started = time.monotonic()
-    size = torch.zeros(1, dtype=torch.int64, device=control_device)
-    _broadcast(comm, size)
-    raw = torch.empty(int(size.item()), dtype=torch.uint8, device=control_device)
-    _broadcast(comm, raw)
+    size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(comm, size, control_device)
+    raw = torch.empty(int(size.item()), dtype=torch.uint8)
+    _broadcast(comm, raw, control_device)
     meta = _RestrictedUnpickler(io.BytesIO(raw.cpu().numpy().tobytes())).load()
     specs = meta["tensors"]
     tensors: list[torch.Tensor | None] = [None] * len(specs)
@@ -166,7 +173,7 @@ def recv_state(
         device = tensor_device if device_type != "cpu" else torch.device("cpu")
         numels = [int(torch.Size(specs[i][1]).numel()) for i in indices]
         flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        _broadcast(comm, flat)
+        _broadcast(comm, flat, control_device)
         total += flat.numel() * flat.element_size()
         for i, part in zip(indices, flat.split(numels), strict=True):
             tensors[i] = part.view(specs[i][1])
