@@ -124,3 +124,19 @@ def test_no_recovery_allowed_stops_cleanly(tmp_path):
     assert result.returncode == 1 and summary["status"] == "failed"
     assert "--max-recoveries" in summary["message"]
     assert "FAILED: rank 1" in result.last_lines[-2] and "step 2" in result.last_lines[-2]
+
+
+def test_raise_between_many_buckets(tmp_path, measure):
+    """A communication error in the middle of a step with many gradient buckets: the ops the
+    framework issues after the lost one must not reach the old communicator (they would pair
+    with the peer's earlier buckets of the same size and corrupt them)."""
+    many = ["--bucket-cap-mb", "0.02"]  # a bucket or two per layer
+    base = ["--nproc-per-node", "2", "--hot-spares", "0"]
+    script = [str(DEMO), "--steps", "5", "--quiet", *many]
+    reference = run([*base, *script], tmp_path / "reference")
+    result = run([*base, "--inject", "raise:rank=1:step=3:at=backward", *script],
+                 tmp_path / "faulty")  # fmt: skip
+    assert result.returncode == 0, result.output
+    assert result.summary["recoveries"][0]["mode"] == "in-place retry"
+    assert result.summary["final_params_sha256"] == reference.summary["final_params_sha256"]
+    check_records(result.summary, [], measure, "raise between many buckets (world 2)")

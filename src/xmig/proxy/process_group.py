@@ -138,17 +138,24 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._log_inputs(record)
             self.log_copy_seconds += time.perf_counter() - started
             self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
+        trouble = None
         with self._cv:
             self.log.append(record)
             self._queue.append(record)
+            earlier = [r for r in self._queue if r is not record]
             if injected is not None:
+                # this op never reaches the communicator: nothing after it may either, or
+                # the ranks' op sequences would pair up wrongly
                 record.state, record.error = "failed", str(injected)
                 record.done_event.set()
-            elif not self.halted and all(
-                r.state != "queued" for r in self._queue if r is not record
-            ):
+                if not self.halted:
+                    self.halted, trouble = True, record.error
+                    self.trouble = trouble
+            elif not self.halted and all(r.state == "launched" for r in earlier):
                 self._launch(record)
             self._cv.notify_all()
+        if trouble is not None and self.on_trouble is not None:
+            self.on_trouble(trouble)
         return _create_work_from_future(future)
 
     def _log_inputs(self, record: OpRecord) -> None:
