@@ -1,4 +1,5 @@
 """Moving a rank's process to another node (CRIU, CUDA checkpoint API).
 
-Not available yet: ``xmig run`` refuses migration requests with a clear error.
+Not built yet: there is no ``xmig migrate`` command, and ``migrate`` is not a fault kind
+(``--inject migrate:…`` is refused as an unknown kind).
 """
