@@ -35,7 +35,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--poll-us",
+        type=float,
+        help="how often the proxy checks whether a GPU op has finished (default: the proxy's)",
+    )
     args, model_args = parser.parse_known_args()
+    if args.poll_us is not None:
+        import xmig.proxy.process_group as proxy_module
+
+        proxy_module.GPU_POLL_S = args.poll_us / 1e6
     gpt_args = train_gpt.parse_args(model_args)
     cfg = train_gpt.build_config(gpt_args)
 
@@ -100,6 +109,8 @@ def main() -> None:
             "parameters": sum(p.numel() for p in model_x.parameters()),
             "log_copy_ms_per_step": session.proxy.log_copy_seconds / args.steps * 1000,
             "log_copy_mb_per_step": session.proxy.log_copy_bytes / args.steps / 1e6,
+            "issue_ms_per_step": session.proxy.issue_seconds / args.steps * 1000,
+            "ops_per_step": session.proxy.issued / args.steps,
         }
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"[rank0] plain {result['median_ms']['plain']:.1f} ms, xmig "

@@ -12,9 +12,11 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # deterministic cuBLAS on GPU; must be set before CUDA starts
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -154,9 +156,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quiet", action="store_true", help="print only the last step")
     parser.add_argument("--timing-file", help="rank 0 writes each step's wall time (JSON) here")
+    parser.add_argument(
+        "--events-file",
+        help="every rank appends one JSON line per finished step (wall clock) to this file",
+    )
+    baseline = parser.add_argument_group("the usual checkpoint-and-restart pattern (--plain only)")
+    baseline.add_argument(
+        "--checkpoint-dir", help="save model and optimizer here; a restarted job resumes from it"
+    )
+    baseline.add_argument(
+        "--checkpoint-every", type=int, default=0, help="save after every K-th step (0: never)"
+    )
+    baseline.add_argument(
+        "--die-at",
+        metavar="RANK:STEP",
+        help="that rank SIGKILLs itself mid-backward in that step of the first attempt",
+    )
     args = parser.parse_args(argv)
     if args.steps < 0:
         parser.error("--steps must not be negative")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must not be negative")
+    if (args.checkpoint_dir or args.die_at) and not args.plain:
+        parser.error("--checkpoint-dir and --die-at belong to the --plain baseline")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.die_at:
+        try:
+            rank, step = (int(x) for x in args.die_at.split(":"))
+        except ValueError:
+            parser.error(f"--die-at wants RANK:STEP, got {args.die_at!r}")
+        args.die_at = (rank, step)
     return args
 
 
@@ -176,11 +206,25 @@ def build_config(args: argparse.Namespace) -> GPTConfig:
 
 
 class PlainSession:
-    """The same loop without xmig: plain process group, plain reseeding."""
+    """The same loop without xmig: plain process group, plain reseeding; under torchrun's
+    restarts, the usual pattern of saving a checkpoint every K steps and resuming from it."""
 
     def __init__(self, seed: int) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            # under torchrun: a prefix per attempt keeps a dead attempt's keys (its peers'
+            # addresses) from being read by the next one
+            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                rank == 0 and not agent_store, multi_tenant=True,
+            )  # fmt: skip
+            prefixed = dist.PrefixStore(f"attempt{self.attempt}", store)
+            dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size)
+        else:
+            dist.init_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = (
@@ -195,15 +239,70 @@ class PlainSession:
     def register(self, **objects) -> None:
         self.objects.update(objects)
 
-    def steps(self, total: int):
+    def steps(self, total: int, start: int = 0):
         from xmig.state import params_sha256, reseed
 
-        for step in range(total):
+        for step in range(start, total):
             reseed(self.seed, self.rank, step)
             yield step
         if self.rank == 0:
             model = self.objects["model"]
             print(f"final params sha256 {params_sha256(model.module)}", flush=True)
+
+
+class Checkpoint:
+    """Model and optimizer saved to local disk after every K-th step (rank 0 writes, all
+    wait), and loaded when a restarted job begins: what torchrun users do today."""
+
+    def __init__(self, directory: str | None, every: int) -> None:
+        self.path = Path(directory) / "checkpoint.pt" if directory else None
+        self.every = every
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+        """The step to start at: after the saved one, or 0 without a checkpoint."""
+        if self.path is None or not self.path.exists():
+            return 0
+        saved = torch.load(self.path, map_location=device, weights_only=True)
+        for state in saved["optimizer"]["state"].values():
+            if "step" in state:  # the optimizer keeps its step counters on the CPU
+                state["step"] = state["step"].cpu()
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        return int(saved["next_step"])
+
+    def after_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   rank: int) -> None:  # fmt: skip
+        if self.path is None or not self.every or (step + 1) % self.every:
+            return
+        started = time.perf_counter()
+        if rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(".partial")
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "next_step": step + 1}  # fmt: skip
+            torch.save(state, partial)
+            os.replace(partial, self.path)  # a checkpoint is whole or absent
+        dist.barrier()
+        if rank == 0:  # the cost, kept beside the checkpoint across restarts
+            with (self.path.parent / "saves.jsonl").open("a") as out:
+                record = {"step": step, "seconds": time.perf_counter() - started}
+                out.write(json.dumps(record) + "\n")
+
+
+def die_mid_backward(model: nn.Module, current_step, step: int, events_file: str | None,
+                     rank: int) -> None:  # fmt: skip
+    """SIGKILL this process in the middle of ``step``'s backward (the baseline's fault)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def hook(_param: torch.Tensor) -> None:
+        if current_step() != step:
+            return
+        if events_file:
+            with open(events_file, "a") as out:
+                out.write(json.dumps({"rank": rank, "kill": step, "t": time.time()}) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    trainable[len(trainable) // 2].register_post_accumulate_grad_hook(hook)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = GPT(cfg).to(device)
+    with device:  # built where it trains: no copy, and a GPU initializes it far faster
+        model = GPT(cfg)
     ddp = DistributedDataParallel(
         model,
         process_group=session.process_group,
@@ -229,6 +329,13 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # the DDP module, not the bare model: its bucket layout is part of a rank's state
     session.register(model=ddp, optimizer=optimizer)
+    start = 0
+    checkpoint = Checkpoint(args.checkpoint_dir, args.checkpoint_every) if args.plain else None
+    if checkpoint is not None:
+        start = checkpoint.load(model, optimizer, device)
+    if args.die_at and args.die_at[0] == rank and getattr(session, "attempt", 0) == 0:
+        die_mid_backward(model, lambda: current_step, args.die_at[1], args.events_file, rank)
+    events = open(args.events_file, "a", buffering=1) if args.events_file else None  # noqa: SIM115
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(
@@ -239,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     step_times: list[float] = []
     last = time.perf_counter()
-    for step in session.steps(args.steps):
+    current_step = start
+    for step in session.steps(args.steps, start):
+        current_step = step
         x, y = synthetic_batch(
             args.seed, step, rank, args.batch_size, cfg.block_size, cfg.vocab_size, device
         )
@@ -251,9 +360,15 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(args.step_sleep)
         if not args.quiet or step == args.steps - 1:
             print(f"[rank{rank}] step {step} loss {loss.item():.4f}", flush=True)
+        if checkpoint is not None:
+            checkpoint.after_step(step, model, optimizer, rank)
         now = time.perf_counter()
         step_times.append(now - last)
         last = now
+        if events is not None:
+            attempt = getattr(session, "attempt", int(os.environ.get("XMIG_ATTEMPT", "0")))
+            record = {"rank": rank, "step": step, "t": time.time(), "attempt": attempt}
+            events.write(json.dumps(record) + "\n")
     if rank == 0:
         elapsed = time.perf_counter() - started
         print(f"[rank0] {args.steps} steps in {elapsed:.2f} s", flush=True)

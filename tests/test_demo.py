@@ -1,6 +1,22 @@
 """The demo workload trains, is deterministic, and its run summary is complete."""
 
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
 from helpers import DEMO, run
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 STEPS = 6
 SUMMARY_KEYS = {
@@ -53,3 +69,32 @@ def test_two_nodes_match_one_node(tmp_path):
     two = _train(tmp_path, "b", layout=("--nnodes", "2", "--nproc-per-node", "1")).summary
     assert two["world_size"] == 2 and sorted(two["agent_pids"]) == ["0", "1"]
     assert two["final_params_sha256"] == one["final_params_sha256"]
+
+
+def test_checkpoint_restart_baseline_resumes_bit_identically(tmp_path):
+    """The benchmarks' baseline (torchrun restarting every worker, reloading the last
+    checkpoint) must train the same parameters, or comparing with it would mean nothing."""
+    steps, events = 8, tmp_path / "events.jsonl"
+    reference = _train(tmp_path, "ref", extra=["--steps", str(steps)])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "1", "--monitor-interval", "0.1", "--master-port", str(free_port()),
+        str(DEMO), "--plain", "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--checkpoint-every", "3", "--die-at", "1:5", "--events-file", str(events),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:  # torchrun, its agent and workers: one process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    kills = [r for r in lines if "kill" in r]
+    assert kills == [{"rank": 1, "kill": 5, "t": kills[0]["t"]}]
+    # the second attempt resumed from the checkpoint after step 2 (steps 3 and 4 redone)
+    restarted = sorted({(r["rank"], r["step"]) for r in lines if r.get("attempt") == 1})
+    assert restarted == [(rank, step) for rank in (0, 1) for step in range(3, steps)]
+    hashes = re.findall(r"final params sha256 ([0-9a-f]{64})", output)
+    assert hashes == [reference.summary["final_params_sha256"]]

@@ -14,7 +14,15 @@ import torch.distributed as dist
 from torch import nn
 
 from xmig.ccl import Communicator
-from xmig.state.transfer import TensorRef, _RestrictedUnpickler, pack, recv_state, send_state
+from xmig.state.transfer import (
+    BUCKET_BYTES,
+    TensorRef,
+    _RestrictedUnpickler,
+    buckets,
+    pack,
+    recv_state,
+    send_state,
+)
 
 CPU = torch.device("cpu")
 
@@ -77,6 +85,7 @@ def _sample_state():
             [
                 ("half", torch.randn(3, 2).to(torch.bfloat16)),
                 ("ids", torch.arange(10, dtype=torch.int64).view(2, 5)),
+                ("transposed", torch.arange(12.0).view(3, 4).t()),  # not contiguous
                 ("nested", [1, (2.5, torch.ones(2)), [torch.zeros(0), "text"], (None, True)]),
             ]
         ),
@@ -114,7 +123,18 @@ def _assert_same(got, want, path="state"):
         assert got == want, path
 
 
-def test_send_and_recv_state_over_gloo():
+def test_buckets_are_consecutive_runs_within_the_limit():
+    specs = [("float32", (4,), "cpu"), ("float32", (2,), "cpu"), ("float32", (100,), "cpu"),
+             ("float32", (1,), "cpu"), ("float32", (3,), "cpu")]  # fmt: skip
+    # 16 + 8 bytes fit in 32; the 400-byte tensor is a bucket of its own; 4 + 12 fit
+    assert buckets(specs, [0, 1, 2, 3, 4], 32) == [[0, 1], [2], [3, 4]]
+    assert buckets(specs, [0, 1, 2, 3, 4], 10**6) == [[0, 1, 2, 3, 4]]
+    assert buckets(specs, [0, 2, 4], 1) == [[0], [2], [4]]
+    assert buckets(specs, [], 32) == []
+
+
+@pytest.mark.parametrize("bucket_bytes", [BUCKET_BYTES, 64], ids=["one-bucket", "many-buckets"])
+def test_send_and_recv_state_over_gloo(bucket_bytes):
     state = _sample_state()
     # the optimizer state is keyed by parameter index and holds tensors
     assert all(isinstance(k, int) for k in state["optimizer"]["state"])
@@ -128,9 +148,9 @@ def test_send_and_recv_state_over_gloo():
         try:
             comm = Communicator("gloo", "pairtest", 0, store, rank, 2, timedelta(seconds=30))
             if rank == 0:
-                results["sent"] = send_state(comm, state, CPU)
+                results["sent"] = send_state(comm, state, CPU, bucket_bytes)
             else:
-                results["received"] = recv_state(comm, CPU, CPU)
+                results["received"] = recv_state(comm, CPU, CPU, bucket_bytes)
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 

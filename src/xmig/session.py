@@ -22,8 +22,8 @@ from xmig.ccl import BACKENDS, Communicator
 from xmig.faults import FaultSpec, Injector
 from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
+from xmig.state import TransferStats, params_sha256, recv_state, reseed, send_state
 from xmig.state import ddp as ddp_state
-from xmig.state import params_sha256, recv_state, reseed, send_state
 
 BACKEND_NAME = "xmig"
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -101,6 +101,8 @@ class Session:
         self.process_group: dist.ProcessGroup = dist.group.WORLD
         if self.link is not None:
             threading.Thread(target=self._recovery_loop, name="xmig-recovery", daemon=True).start()
+        if self.env.replacement:
+            self._start_receiving()
         atexit.register(self.close)
 
     @property
@@ -463,21 +465,22 @@ class Session:
         generation = int(plan["generation"])
         pulls = [int(r) for r in plan.get("pulls", [])]
         if int(plan["source"]) == self.rank and pulls:
-            total_bytes, seconds = 0, 0.0
+            total = TransferStats()
             state = self._outgoing_state(plan)
             for target in pulls:
                 pair = Communicator(self.backend, f"pull{target}", generation, self.store, 0, 2,
                                     self.timeout)  # fmt: skip
                 stats = send_state(pair, state, self.device)
-                total_bytes += stats.bytes
-                seconds += stats.seconds
-            return {"role": "source", "bytes": total_bytes, "seconds": seconds}
+                total.bytes += stats.bytes
+                total.seconds += stats.seconds
+                total.setup_seconds += stats.setup_seconds
+            return _pull_report("source", total)
         if self.rank in pulls:
             pair = Communicator(self.backend, f"pull{self.rank}", generation, self.store, 1, 2,
                                 self.timeout)  # fmt: skip
             incoming, stats = recv_state(pair, self.device, self.device)
             self._stash = incoming["state"]
-            return {"role": "receiver", "bytes": stats.bytes, "seconds": stats.seconds}
+            return _pull_report("receiver", stats)
         return None
 
     def _outgoing_state(self, plan: dict[str, Any]) -> dict[str, Any]:
@@ -511,13 +514,47 @@ class Session:
         self.proxy.void()
 
     # ---- recovery: the replacement ----------------------------------------------------------
+    def _start_receiving(self) -> None:
+        """A replacement receives its state while the script still builds its model."""
+        self._incoming: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+
+        def receive() -> None:
+            try:
+                pair = Communicator(self.backend, f"pull{self.rank}", self.env.generation,
+                                    self.store, 1, 2, self.timeout)  # fmt: skip
+                if self.backend == "nccl":
+                    torch.cuda.set_device(self.device)  # the current device is per thread
+                    # a stream of its own, so that the script's kernels on the default
+                    # stream (building the model) and the transfer do not wait for each other
+                    with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                        self._incoming.put(recv_state(pair, self.device, self.device))
+                else:
+                    self._incoming.put(recv_state(pair, self.device, self.device))
+            except BaseException as exc:  # handed to the step loop, which reports it
+                self._incoming.put((exc, None))
+
+        self._receiver = threading.Thread(target=receive, name="xmig-receive", daemon=True)
+        self._receiver.start()
+
     def _join(self) -> int:
-        """Receive the state from a peer, match its DDP, and return the step to start at."""
+        """Take the state received from a peer, match its DDP, and return the step to
+        start at."""
         started = time.monotonic()
-        pair = Communicator(self.backend, f"pull{self.rank}", self.env.generation, self.store,
-                            1, 2, self.timeout)  # fmt: skip
-        incoming, stats = recv_state(pair, self.device, self.device)
+        try:
+            incoming, stats = self._incoming.get(timeout=self.env.recovery_timeout)
+        except queue.Empty:
+            raise RecoveryFailed(
+                f"no state from a peer within {self.env.recovery_timeout:.0f} s"
+            ) from None
+        if isinstance(incoming, BaseException):
+            raise RecoveryFailed(f"receiving the state failed: {incoming}") from incoming
+        waited = time.monotonic() - started
         self.load_state(incoming["state"])
+        if self.backend == "nccl":
+            # buffers received on the receiving thread's stream and now copied into the
+            # model return to that stream's pool, which nothing allocates from again
+            incoming["state"] = None
+            torch.cuda.empty_cache()
         step = int(incoming["step"])
         self.first_step = incoming["first_step"]
         ddp = self._ddp()
@@ -540,8 +577,12 @@ class Session:
                 "recovered",
                 generation=self.env.generation,
                 role="replacement",
-                phases={"pull": stats.seconds, "join": time.monotonic() - started},
-                pull={"role": "receiver", "bytes": stats.bytes, "seconds": stats.seconds},
+                phases={
+                    "pull": stats.seconds,
+                    "join": time.monotonic() - started,
+                    "waited": waited,
+                },  # fmt: skip
+                pull=_pull_report("receiver", stats),
                 t_resumed=time.time(),
             )
         return step
@@ -557,6 +598,11 @@ class Session:
         if self.link is not None:
             self.link.close()
             self.link = None
+
+
+def _pull_report(role: str, stats: TransferStats) -> dict[str, Any]:
+    return {"role": role, "bytes": stats.bytes, "seconds": stats.seconds,
+            "setup_seconds": stats.setup_seconds}  # fmt: skip
 
 
 _session: Session | None = None

@@ -102,6 +102,7 @@ class Recovery:
         pulls = [r["pull"] for r in everyone if r.get("pull")]
         pull_bytes = max((int(p["bytes"]) for p in pulls), default=0)
         pull_s = max((float(p["seconds"]) for p in pulls), default=0.0)
+        setup_s = max((float(p.get("setup_seconds", 0.0)) for p in pulls), default=0.0)
         respawn = max((t - self.started for r, t in self.joined.items() if r in self.replaced),
                       default=0.0)  # fmt: skip
         resumed = max((float(r["t_resumed"]) for r in everyone), default=time.time())
@@ -132,6 +133,7 @@ class Recovery:
             "from_spare": [self.from_spare.get(r, False) for r in self.replaced],
             "pull_bytes": pull_bytes,
             "pull_gb_per_s": round(pull_bytes / pull_s / 1e9, 3) if pull_s > 0 else None,
+            "pull_setup_s": round(setup_s, 4),
         }
 
 

@@ -149,7 +149,6 @@ class OpRecord:
     state: str = "queued"  # queued, launched, done, failed
     error: str | None = None
     done_event: threading.Event = field(default_factory=threading.Event)
-    stream: Any = None  # the CUDA stream its input copy and launch were issued on
     device: Any = None  # the CUDA device of its tensors (None on CPU)
 
     @property

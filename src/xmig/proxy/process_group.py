@@ -67,9 +67,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.halted = False
         self.trouble: str | None = None
         self._buffers = BufferPool()
-        self._side_streams: dict[torch.device, Any] = {}
         self.log_copy_seconds = 0.0  # what the replay log has cost this process so far
         self.log_copy_bytes = 0
+        self.issue_seconds = 0.0  # the proxy's own time in the framework's calls
+        self.issued = 0
         self._queue: deque[OpRecord] = deque()
         self._cv = threading.Condition()
         self._group_name = ""
@@ -107,6 +108,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
 
     # ---- issuing -----------------------------------------------------------------------------
     def _issue(self, op: str, args: tuple[Any, ...]) -> dist.Work:
+        started = time.perf_counter()
+        try:
+            return self._issue_op(op, args)
+        finally:
+            self.issue_seconds += time.perf_counter() - started
+            self.issued += 1
+
+    def _issue_op(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         index = self.ops_in_step
         self.ops_in_step += 1
         device = next((t.device for t in tensors_in(args) if t.is_cuda), None)
@@ -159,30 +168,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
         return _create_work_from_future(future)
 
     def _log_inputs(self, record: OpRecord) -> None:
-        tensors = record.input_tensors
-        if not tensors or not tensors[0].is_cuda:
-            record.inputs = [self._buffers.copy_of(t) for t in tensors]
-            return
-        # on GPU the copy runs on a side stream, beside the compute that follows; the op is
-        # launched from that stream, so NCCL waits for the copy and the compute does not
-        device = tensors[0].device
-        stream = self._side_streams.get(device)
-        if stream is None:
-            stream = self._side_streams[device] = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            record.inputs = [self._buffers.copy_of(t) for t in tensors]
-        for tensor in tensors:
-            tensor.record_stream(stream)
-        record.stream = stream
+        # on GPU the copies run on the issuing thread's stream, before the launch: NCCL's
+        # stream waits for them, and so does a replay (measured on 2 x H200: a side stream
+        # for the copies cost more in launch overhead than it saved in overlap)
+        record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
 
     def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
         try:
-            if record.stream is not None:
-                with torch.cuda.stream(record.stream):
-                    work = getattr(self.communicator.backend, record.op)(*(args or record.args))
-            else:
-                work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+            work = getattr(self.communicator.backend, record.op)(*(args or record.args))
         except Exception as exc:  # a communicator that is already broken
             record.state, record.error = "failed", str(exc)
             record.done_event.set()
@@ -264,11 +257,20 @@ class ProxyProcessGroup(dist.ProcessGroup):
 
     def abort_communicator(self) -> None:
         """Abort the current communicator so ops stuck in it return (NCCL); gloo ops cannot
-        be aborted and are abandoned instead (they end at their timeout)."""
+        be aborted and are abandoned instead (they end at their timeout).
+
+        NCCL's abort releases the kernels in flight within milliseconds but takes ~0.5 s to
+        return (measured on H200), so it runs on a thread of its own and nothing waits for
+        it: the communicator is never used again."""
         backend = self.communicator.backend
-        if self.communicator.kind == "nccl" and hasattr(backend, "abort"):
+        if self.communicator.kind != "nccl" or not hasattr(backend, "abort"):
+            return
+
+        def abort() -> None:
             with contextlib.suppress(Exception):  # an already broken communicator
                 backend.abort()
+
+        threading.Thread(target=abort, name="xmig-abort", daemon=True).start()
 
     def pending(self) -> list[OpRecord]:
         with self._cv:
@@ -294,9 +296,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         results complete the framework's futures). Returns the seconds it took."""
         started = time.monotonic()
         records = self.logged(from_step)
-        for record in records:
-            if record.stream is not None:  # the logged copies are complete before use
-                torch.cuda.current_stream(record.stream.device).wait_stream(record.stream)
+        for device in {r.device for r in records if r.device is not None}:
+            torch.cuda.synchronize(device)  # the logged copies, made on the framework's stream
         with self._cv:
             pending_ids = {id(r) for r in self._queue}
             older = [r for r in self._queue if r.step is None or r.step < from_step]

@@ -1,8 +1,11 @@
 """Moving a rank's state to another rank over a communicator, in a few large buffers.
 
 The structure (state dicts with their numbers, strings and nesting) travels as a restricted
-pickle in which every tensor is a reference; the tensors travel as one flat buffer per
-(dtype, device type), so a pull costs a handful of collectives whatever the model's size.
+pickle in which every tensor is a reference. The tensors land in one flat buffer per (dtype,
+device type) on the receiver and travel in buckets of consecutive tensors: a large tensor is
+sent as it is (no copy), small ones are packed together, so a pull costs a few hundred
+collectives at most whatever the model's size, and the sender needs at most one bucket of
+extra memory.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from xmig.ccl import Communicator
+
+BUCKET_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,34 @@ def pack(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL), tensors
 
 
-def _groups(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[tuple[str, str], list[int]]:
+Spec = tuple[str, tuple[int, ...], str]  # dtype name, shape, device type
+
+
+def _groups(specs: list[Spec]) -> dict[tuple[str, str], list[int]]:
     groups: dict[tuple[str, str], list[int]] = {}
     for i, (dtype, _shape, device) in enumerate(specs):
         groups.setdefault((dtype, device), []).append(i)
     return groups
+
+
+def _numel(spec: Spec) -> int:
+    return int(torch.Size(spec[1]).numel())
+
+
+def buckets(specs: list[Spec], indices: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive runs of ``indices`` of at most ``bucket_bytes`` each (a larger tensor is a
+    bucket of its own); sender and receiver compute the same runs from the same specs."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in indices:
+        nbytes = _numel(specs[i]) * getattr(torch, specs[i][0]).itemsize
+        if runs and size + nbytes <= bucket_bytes:
+            runs[-1].append(i)
+            size += nbytes
+        else:
+            runs.append([i])
+            size = nbytes
+    return runs
 
 
 def _broadcast(comm: Communicator, tensor: torch.Tensor, device: torch.device) -> None:
@@ -126,8 +154,12 @@ def _broadcast(comm: Communicator, tensor: torch.Tensor, device: torch.device) -
 
 @dataclass
 class TransferStats:
+    """``seconds`` covers the tensors' bytes only; ``setup_seconds`` the communicator's
+    creation, the wait for the peer and the structure."""
+
     bytes: int = 0
     seconds: float = 0.0
+    setup_seconds: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
@@ -136,27 +168,39 @@ class TransferStats:
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the transfer is complete, and its time is true
+        # the transfer is complete, and its time is true; only this thread's stream, which
+        # waited for every broadcast (the model may be building beside it, on another)
+        torch.cuda.current_stream(device).synchronize()
 
 
-def send_state(comm: Communicator, state: Any, control_device: torch.device) -> TransferStats:
+def send_state(
+    comm: Communicator, state: Any, control_device: torch.device, bucket_bytes: int = BUCKET_BYTES
+) -> TransferStats:
     """Send ``state`` to the other member of the two-rank ``comm`` (this rank is its rank 0)."""
     started = time.monotonic()
     meta, tensors = pack(state)
     _broadcast(comm, torch.tensor([len(meta)], dtype=torch.int64), control_device)
     _broadcast(comm, torch.frombuffer(bytearray(meta), dtype=torch.uint8), control_device)
+    _synchronize(control_device)
+    sending = time.monotonic()
     total = 0
     specs = pickle.loads(meta)["tensors"]
     for indices in _groups(specs).values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        _broadcast(comm, flat, control_device)
-        total += flat.numel() * flat.element_size()
+        for run in buckets(specs, indices, bucket_bytes):
+            parts = [tensors[i].reshape(-1) for i in run]
+            payload = parts[0] if len(parts) == 1 and parts[0].is_contiguous() else torch.cat(parts)
+            _broadcast(comm, payload, control_device)
+            total += payload.numel() * payload.element_size()
     _synchronize(control_device)
-    return TransferStats(total + len(meta), time.monotonic() - started)
+    done = time.monotonic()
+    return TransferStats(total, done - sending, sending - started)
 
 
 def recv_state(
-    comm: Communicator, control_device: torch.device, tensor_device: torch.device
+    comm: Communicator,
+    control_device: torch.device,
+    tensor_device: torch.device,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> tuple[Any, TransferStats]:
     """Receive what ``send_state`` sent; tensors land on ``tensor_device`` (CPU ones stay CPU)."""
     started = time.monotonic()
@@ -165,18 +209,25 @@ def recv_state(
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(comm, raw, control_device)
     meta = _RestrictedUnpickler(io.BytesIO(raw.cpu().numpy().tobytes())).load()
+    receiving = time.monotonic()
     specs = meta["tensors"]
     tensors: list[torch.Tensor | None] = [None] * len(specs)
     total = 0
     for (dtype_name, device_type), indices in _groups(specs).items():
         dtype = getattr(torch, dtype_name)
         device = tensor_device if device_type != "cpu" else torch.device("cpu")
-        numels = [int(torch.Size(specs[i][1]).numel()) for i in indices]
+        numels = [_numel(specs[i]) for i in indices]
         flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        _broadcast(comm, flat, control_device)
+        parts = dict(zip(indices, flat.split(numels), strict=True))
+        offset = 0
+        for run in buckets(specs, indices, bucket_bytes):
+            length = sum(parts[i].numel() for i in run)
+            _broadcast(comm, flat[offset : offset + length], control_device)  # in place
+            offset += length
         total += flat.numel() * flat.element_size()
-        for i, part in zip(indices, flat.split(numels), strict=True):
-            tensors[i] = part.view(specs[i][1])
+        for i in indices:
+            tensors[i] = parts[i].view(specs[i][1])
     state = _fill(meta["structure"], tensors)  # type: ignore[arg-type]
     _synchronize(tensor_device)
-    return state, TransferStats(total + int(size.item()), time.monotonic() - started)
+    done = time.monotonic()
+    return state, TransferStats(total, done - receiving, receiving - started)
