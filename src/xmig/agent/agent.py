@@ -129,6 +129,8 @@ class Agent:
             elif op == "injecting":
                 worker.announced = {"fault": msg["fault"], "t": msg["t"], "step": msg.get("step")}
                 self.fired.setdefault(rank, []).append(msg["fault"])
+                if msg["fault"]["kind"] == "node":
+                    self._post("node_loss", (msg["fault"], msg["t"]))
             elif op == "comm_error":
                 self._post("comm_error", (rank, worker.pid, msg, wall))
             elif op in ("parked", "recovered", "recovery_failed"):
@@ -152,12 +154,15 @@ class Agent:
             on_push=self._on_coord_push,
             on_close=self._on_coord_lost,
         )
-        reply = self.coord.call("agent_hello", node=self.node_rank, pid=os.getpid())
+        netns = os.stat("/proc/self/ns/net").st_ino
+        reply = self.coord.call("agent_hello", node=self.node_rank, pid=os.getpid(), netns=netns)
         self.job = reply["job"]
         self.heartbeat_timeout = float(self.job["heartbeat_timeout"])
+        threading.Thread(target=self._keep_alive, name="xmig-alive", daemon=True).start()
         nproc = int(self.job["nproc_per_node"])
-        for local_rank in range(nproc):
-            self._spawn(self.node_rank * nproc + local_rank, local_rank, attempt=0)
+        if self.node_rank < int(self.job["nnodes"]):  # a spare node starts idle
+            for local_rank in range(nproc):
+                self._spawn(self.node_rank * nproc + local_rank, local_rank, attempt=0)
         while True:
             timeout = 0.05
             for key, _ in self._selector.select(timeout):
@@ -178,6 +183,30 @@ class Agent:
                     return result
             self._check_heartbeats()
             self._keep_spares()
+
+    def _keep_alive(self) -> None:
+        """Tell the coordinator this node lives, on a thread of its own (the main loop may
+        be busy stopping workers)."""
+        interval = float(self.job["heartbeat_interval"])
+        while True:
+            time.sleep(interval)
+            try:
+                assert self.coord is not None
+                self.coord.notify("agent_alive")
+            except WireError:
+                return
+
+    def _lose_node(self, fault: dict[str, Any], t: float) -> None:
+        """An injected node loss: every process of this node dies at once, this agent too."""
+        with contextlib.suppress(WireError):
+            assert self.coord is not None
+            self.coord.call("node_dying", node=self.node_rank, fault=fault, t=t, timeout=5.0)
+        print(f"xmig: node {self.node_rank} going down (injected {fault['kind']} fault)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        for process in [*(w.proc for w in self.workers.values()), *(s.proc for s in self.spares)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _handle_event(self, kind: str, data: Any) -> int | None:
         if kind == "progress":
@@ -221,12 +250,16 @@ class Agent:
         elif kind == "respawn":
             rank = int(data["rank"])
             old = self.workers.get(rank)
+            known = self.fired.setdefault(rank, [])
+            known.extend(f for f in data.get("fired", []) if f not in known)
             self._spawn(
                 rank,
-                rank - self.node_rank * int(self.job["nproc_per_node"]),
-                attempt=(old.attempt + 1) if old else 1,
+                int(data.get("local_rank", rank % int(self.job["nproc_per_node"]))),
+                attempt=int(data.get("attempt", (old.attempt + 1) if old else 1)),
                 generation=int(data["generation"]),
             )
+        elif kind == "node_loss":
+            self._lose_node(*data)
         elif kind == "inject":
             self._deliver_fault(msg=data)
         elif kind == "stop":

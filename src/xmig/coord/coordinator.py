@@ -66,6 +66,11 @@ class Coordinator:
         self.launchers: list[Peer] = []
         self.joined: set[int] = set()
         self.spares_ready: dict[int, int] = {}
+        self.agent_seen: dict[int, float] = {}  # node -> monotonic time of its last message
+        self.agent_netns: dict[int, int] = {}  # node -> its network namespace's inode
+        self.node_announced: dict[int, dict[str, Any]] = {}  # injected node losses
+        self.lost_nodes: list[int] = []
+        self.fired: dict[int, list[dict[str, Any]]] = {}  # rank -> injected faults carried out
         self.recovery: Recovery | None = None
         self.recovery_deadline = 0.0
         self._lock = threading.RLock()
@@ -81,15 +86,24 @@ class Coordinator:
         op = msg.get("op")
         role = peer.info.get("role")
         with self._lock:
+            if role == "agent":
+                self.agent_seen[int(peer.info.get("node", -1))] = time.monotonic()
             if op == "agent_hello" and role == "agent":
                 node = int(msg["node"])
-                if node in self.agents or not 0 <= node < self.spec.nnodes:
+                if node in self.agents or not 0 <= node < self.spec.all_nodes:
                     raise ValueError(f"node {node} is not expected or already joined")
                 self.agents[node] = peer
                 self.agent_pids[node] = int(msg["pid"])
-                if len(self.agents) == self.spec.nnodes and self.status == "starting":
+                if msg.get("netns") is not None:
+                    self.agent_netns[node] = int(msg["netns"])
+                if len(self.agents) == self.spec.all_nodes and self.status == "starting":
                     self.status = "running"
                 return {"job": self.spec.to_json(), "generation": self.generation}
+            if op == "agent_alive":
+                return None
+            if op == "node_dying":
+                self.node_announced[int(msg["node"])] = {"fault": msg["fault"], "t": msg["t"]}
+                return None
             if op == "worker_started":
                 rank = int(msg["rank"])
                 self.worker_pids[rank].append(int(msg["pid"]))
@@ -136,6 +150,44 @@ class Coordinator:
         with self._lock:
             if self.agents.get(node) is peer:
                 self._events.put(("agent_lost", node))
+
+    def _check_agents_alive(self) -> None:
+        """An agent silent for longer than the heartbeat timeout is lost, connection or not."""
+        now = time.monotonic()
+        for node, peer in list(self.agents.items()):
+            seen = self.agent_seen.get(node)
+            if seen is not None and now - seen > self.spec.heartbeat_timeout:
+                self.agent_seen.pop(node, None)
+                log(f"agent of node {node} silent for {now - seen:.1f} s")
+                peer.push({"op": "shutdown"})  # should it come back: its node is given up
+                self._events.put(("agent_lost", node))
+
+    def _agent_lost_record(self, node: int) -> dict[str, Any] | None:
+        """Forget a lost agent; the fault record for its ranks, or None when it had none."""
+        self.agents.pop(node, None)
+        self.lost_nodes.append(node)
+        ranks = sorted(r for r, m in self.members.items() if m["node"] == node)
+        if not ranks:
+            log(f"spare node {node} was lost")
+            return None
+        detected = time.time()
+        announced = self.node_announced.pop(node, None)
+        t_fault = float(announced["t"]) if announced else detected
+        return {
+            "rank": ranks[0],
+            "ranks": ranks,
+            "node": node,
+            "pid": self.agent_pids.get(node, -1),
+            "attempt": 0,
+            "kind": "agent_lost",
+            "detail": f"agent of node {node} and its ranks {ranks} gone",
+            "step": min((self.progress.get(r, 0) for r in ranks), default=None),
+            "injected": announced["fault"] if announced else None,
+            "t_fault": t_fault,
+            "t_detected": detected,
+            "fault_time_source": "injection" if announced else "detection",
+            "detected_after_s": round(max(0.0, detected - t_fault), 6),
+        }
 
     def _status(self) -> dict[str, Any]:
         return {
@@ -187,6 +239,8 @@ class Coordinator:
                             f"{self.spec.agent_connect_timeout:.0f} s"
                         )
                     self._check_recovery_deadline()
+                    if self.status in ("running", "recovering"):
+                        self._check_agents_alive()
                 continue
             self._decide(kind, data)
 
@@ -195,26 +249,16 @@ class Coordinator:
             self._on_fault(data)
         elif kind == "agent_lost":
             with self._lock:
+                if data not in self.agents:
+                    return  # already handled (its connection closed and it went silent)
                 if self.status in ("running", "starting", "recovering"):
+                    record = self._agent_lost_record(data)
+                    if record is None:
+                        return
                     if self.status == "recovering":
+                        self.faults.append({**record, "secondary": False})
                         self._abort_recovery(f"the agent of node {data} was lost during recovery")
                         return
-                    ranks = [r for r, m in self.members.items() if m["node"] == data]
-                    record = {
-                        "rank": ranks[0] if ranks else -1,
-                        "node": data,
-                        "pid": self.agent_pids.get(data, -1),
-                        "attempt": 0,
-                        "kind": "agent_lost",
-                        "detail": f"agent of node {data} disconnected",
-                        "step": min((self.progress.get(r, 0) for r in ranks), default=None),
-                        "injected": None,
-                        "t_fault": time.time(),
-                        "t_detected": time.time(),
-                        "fault_time_source": "detection",
-                        "detected_after_s": 0.0,
-                    }
-                    self.agents.pop(data, None)
                     self._on_fault(record)
                 else:
                     self.agents.pop(data, None)
@@ -274,6 +318,11 @@ class Coordinator:
                 break
             if kind == "fault":
                 batch.append(data)
+            elif kind == "agent_lost" and data in self.agents:
+                with self._lock:
+                    lost = self._agent_lost_record(data)
+                if lost is not None:
+                    batch.append(lost)
             else:
                 others.append((kind, data))
         for event in others:
@@ -287,13 +336,18 @@ class Coordinator:
             for i, item in enumerate(ordered):
                 item["secondary"] = i > 0 and (item["kind"] == "comm_error" or not deaths)
                 self.faults.append(item)
+                if item.get("injected"):
+                    self.fired.setdefault(int(item["injected"]["rank"]), []).append(
+                        item["injected"]
+                    )
             self.primary = ordered[0]
             log(f"fault: {describe_fault(ordered[0])}")
             for item in ordered[1:]:
                 if not item["secondary"]:
                     log(f"  also: {describe_fault(item)}")
             if self.status in ("running", "starting"):
-                self._start_recovery(ordered[0], sorted({r["rank"] for r in deaths}))
+                dead = {rank for r in deaths for rank in r.get("ranks", [r["rank"]])}
+                self._start_recovery(ordered[0], sorted(dead))
 
     # ---- recovery ----------------------------------------------------------------------------
     def _start_recovery(self, primary: dict[str, Any], replaced: list[int]) -> None:
@@ -312,15 +366,50 @@ class Coordinator:
         park = {"op": "park", "generation": self.generation, "replaced": replaced}
         for agent in self.agents.values():
             agent.push(park)
+        placement = self._placement(replaced)
         for rank in replaced:
-            node = self.members[rank]["node"]
-            self.agents[node].push({"op": "respawn", "rank": rank, "generation": self.generation})
+            member = self.members[rank]
+            self.agents[placement[rank]].push({
+                "op": "respawn", "rank": rank, "generation": self.generation,
+                "local_rank": rank % self.spec.nproc_per_node,
+                "attempt": int(member["attempt"]) + 1,
+                "fired": self.fired.get(rank, []),  # on another node: not to be fired again
+            })  # fmt: skip
+        self.recovery.placement = placement
+        moved = sorted({n for r, n in placement.items() if n != self.members[r]["node"]})
         what = f"respawning rank {replaced}" if replaced else "rebuilding in place"
+        if moved:
+            what += f" on spare node {', '.join(map(str, moved))}"
         log(f"recovery to generation {self.generation}: {what}")
 
+    def _idle_nodes(self) -> list[int]:
+        """Live nodes with no rank on them: spare nodes, or ones whose ranks moved away."""
+        busy = {m["node"] for m in self.members.values()}
+        return sorted(n for n in self.agents if n not in busy)
+
+    def _placement(self, replaced: list[int]) -> dict[int, int]:
+        """Where each replacement starts: its own node while that lives, else an idle one
+        (all ranks of one lost node go to the same idle node)."""
+        placement: dict[int, int] = {}
+        idle = self._idle_nodes()
+        moved: dict[int, int] = {}
+        for rank in replaced:
+            node = self.members[rank]["node"]
+            if node in self.agents:
+                placement[rank] = node
+            else:
+                if node not in moved:
+                    moved[node] = idle.pop(0)
+                placement[rank] = moved[node]
+        return placement
+
     def _why_no_recovery(self, primary: dict[str, Any], replaced: list[int]) -> str | None:
-        if primary["kind"] == "agent_lost":
-            return "a whole node was lost and there is no spare node"
+        homeless = {self.members[r]["node"] for r in replaced} - set(self.agents)
+        if len(homeless) > len(self._idle_nodes()):
+            return (
+                f"node {sorted(homeless)[0]} was lost and there is no spare node to take its "
+                "ranks (--spare-nodes)"
+            )
         if len(self.recoveries) >= self.spec.max_recoveries:
             return f"the job already recovered {len(self.recoveries)} times (--max-recoveries)"
         unmanaged = sorted(set(range(self.spec.world_size)) - self.joined - set(replaced))
@@ -458,6 +547,10 @@ class Coordinator:
             "worker_pids": {str(r): pids for r, pids in sorted(self.worker_pids.items())},
             "coordinator_pid": os.getpid(),
             "agent_pids": {str(n): p for n, p in sorted(self.agent_pids.items())},
+            "spare_nodes": self.spec.spare_nodes,
+            "lost_nodes": self.lost_nodes,
+            "worker_nodes": {str(r): m["node"] for r, m in sorted(self.members.items())},
+            "agent_netns": {str(n): i for n, i in sorted(self.agent_netns.items())},
             "stop_s": round(getattr(self, "stop_s", 0.0), 4) if outcome != "completed" else None,
             "duration_s": round(time.time() - self.started_at, 3),
         }

@@ -27,10 +27,17 @@ class JobSpec:
     recovery_timeout: float = 120.0
     max_recoveries: int = 10
     hot_spares: int = 1
+    spare_nodes: int = 0
+    simulate_hosts: bool = False
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def all_nodes(self) -> int:
+        """Nodes with workers plus the spare ones."""
+        return self.nnodes + self.spare_nodes
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -84,6 +84,7 @@ class Recovery:
     joined: dict[int, float] = field(default_factory=dict)
     recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
     from_spare: dict[int, bool] = field(default_factory=dict)
+    placement: dict[int, int] = field(default_factory=dict)  # replaced rank -> its node
 
     @property
     def expected(self) -> set[int]:
@@ -131,6 +132,7 @@ class Recovery:
             "phases": {k: round(v, 4) for k, v in phases.items()},
             "total_s": round(resumed - float(fault["t_fault"]), 4),
             "from_spare": [self.from_spare.get(r, False) for r in self.replaced],
+            "nodes": {str(r): n for r, n in sorted(self.placement.items())},
             "pull_bytes": pull_bytes,
             "pull_gb_per_s": round(pull_bytes / pull_s / 1e9, 3) if pull_s > 0 else None,
             "pull_setup_s": round(setup_s, 4),

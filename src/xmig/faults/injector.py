@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from xmig.faults.spec import FaultSpec
+
+NODE_LOSS_WAIT_S = 30.0
 
 
 class InjectedCollectiveError(RuntimeError):
@@ -91,6 +94,10 @@ class Injector:
             os._exit(spec.code)
         elif spec.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.kind == "node":
+            # the agent, told by the announcement, takes the whole node down, this rank too
+            time.sleep(NODE_LOSS_WAIT_S)
+            os._exit(1)
         elif spec.kind == "raise":
             where = f" in {op}" if op else ""
             raise InjectedCollectiveError(

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-KINDS = ("kill", "exit", "raise", "hang")
+# node: the whole node of the rank is lost at once (its agent, its workers, its spares)
+KINDS = ("kill", "exit", "raise", "hang", "node")
 POINTS = ("forward", "backward", "optimizer", "boundary")
 DEFAULT_POINT = "backward"
 

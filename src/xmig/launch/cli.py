@@ -14,6 +14,7 @@ import typer
 from xmig import __version__
 from xmig.coord.job import JobSpec
 from xmig.faults.spec import FaultSpecError, parse_faults
+from xmig.launch.hosts import HostSetupError, check_can_simulate
 from xmig.launch.launcher import Launcher, LaunchError, find_job
 from xmig.wire import AuthError, Client, RemoteError, WireError, parse_address
 
@@ -61,7 +62,8 @@ def run(
         list[str] | None,
         typer.Option(
             help="Inject a fault: KIND:rank=R:step=S[:at=forward|backward|optimizer|boundary"
-            "|collective=K], KIND one of kill, exit, raise, hang. Repeatable."
+            "|collective=K], KIND one of kill, exit, raise, hang, node (the rank's whole node "
+            "is lost). Repeatable."
         ),
     ] = None,
     summary: Annotated[
@@ -97,6 +99,18 @@ def run(
             "ranks in milliseconds; 0 starts replacements from scratch."
         ),
     ] = 1,
+    spare_nodes: Annotated[
+        int,
+        typer.Option(help="Idle nodes (agents without workers) that take over a lost node."),
+    ] = 0,
+    simulate_hosts: Annotated[
+        bool,
+        typer.Option(
+            "--simulate-hosts",
+            help="Run every node in a network namespace of its own, with its own address "
+            "(root only): several hosts on one machine.",
+        ),
+    ] = False,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -117,6 +131,15 @@ def run(
         raise click.UsageError("--max-recoveries must not be negative")
     if hot_spares < 0:
         raise click.UsageError("--hot-spares must not be negative")
+    if spare_nodes < 0:
+        raise click.UsageError("--spare-nodes must not be negative")
+    if simulate_hosts:
+        if master_addr != "127.0.0.1":
+            raise click.UsageError("--simulate-hosts picks the coordinator's address itself")
+        try:
+            check_can_simulate()
+        except HostSetupError as exc:
+            raise click.UsageError(str(exc)) from None
     try:
         faults = parse_faults(inject or [], nnodes * nproc_per_node)
     except FaultSpecError as exc:
@@ -138,6 +161,8 @@ def run(
         recovery_timeout=recovery_timeout,
         max_recoveries=max_recoveries,
         hot_spares=hot_spares,
+        spare_nodes=spare_nodes,
+        simulate_hosts=simulate_hosts,
     )
     try:
         code = Launcher(spec, summary).run()

@@ -18,6 +18,7 @@ from typing import Any
 
 from xmig.coord.job import JobSpec
 from xmig.jobenv import JOB_ID, TOKEN
+from xmig.launch.hosts import HostSetupError, SimulatedHosts
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
 from xmig.wire import Client, WireError, parse_address
 
@@ -99,6 +100,7 @@ class Launcher:
         self._result: dict[str, Any] | None = None
         self._result_ready = threading.Event()
         self._interrupted: str | None = None
+        self.hosts: SimulatedHosts | None = None
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -126,24 +128,45 @@ class Launcher:
         return str(ready["address"])
 
     def _start_agents(self, address: str) -> None:
-        for node in range(self.spec.nnodes):
+        for node in range(self.spec.all_nodes):
+            env = self._env()
+            enter = None
+            if self.hosts is not None:
+                env.update(self.hosts.environment())
+                enter = self.hosts.enter(node)
+
+            def prepare(enter: Any = enter) -> None:
+                die_with_parent()
+                if enter is not None:
+                    enter()
+
+            cmd = [sys.executable, "-m", "xmig.agent", "--coord", address, "--node-rank",
+                   str(node)]  # fmt: skip
             self.agents.append(
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "xmig.agent",
-                        "--coord",
-                        address,
-                        "--node-rank",
-                        str(node),
-                    ],
+                    cmd,
                     stdin=subprocess.DEVNULL,
-                    env=self._env(),
+                    env=env,
                     start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )
+                    preexec_fn=prepare,
+                )  # fmt: skip
             )
+
+    def _create_hosts(self) -> None:
+        if not self.spec.simulate_hosts:
+            return
+        try:
+            self.hosts = SimulatedHosts(self.spec.job_id, self.spec.all_nodes).create()
+        except HostSetupError as exc:
+            raise LaunchError(str(exc)) from None
+        self.spec.master_addr = self.hosts.bridge_address
+        print(
+            f"xmig: simulated hosts: {self.spec.all_nodes} network namespaces "
+            f"({self.hosts.namespace(0)}…) on {self.hosts.subnet}, coordinator at "
+            f"{self.hosts.bridge_address}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _write_job_file(self, address: str) -> None:
         folder = jobs_dir()
@@ -182,6 +205,7 @@ class Launcher:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self._create_hosts()
             address = self._start_coordinator()
             self._start_agents(address)
             self.client = Client(
@@ -193,9 +217,10 @@ class Launcher:
             )
             self.client.call("wait_result")
             self._write_job_file(address)
+            spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
             print(
                 f"xmig: job {self.spec.job_id}: {self.spec.world_size} ranks on "
-                f"{self.spec.nnodes} node(s), coordinator {address}, store port "
+                f"{self.spec.nnodes} node(s){spares}, coordinator {address}, store port "
                 f"{self.spec.master_port}",
                 file=sys.stderr,
                 flush=True,
@@ -271,3 +296,5 @@ class Launcher:
                 kill_pids(left)
         if self.job_file is not None:
             self.job_file.unlink(missing_ok=True)
+        if self.hosts is not None:
+            self.hosts.remove()

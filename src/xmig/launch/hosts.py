@@ -1,0 +1,154 @@
+"""Simulated hosts: one network namespace per node, on one machine, joined by a bridge.
+
+``xmig run --simulate-hosts`` gives every node's agent (and so its workers) a network
+namespace of its own with its own address on a private /24; the coordinator listens on the
+bridge's address in the launcher's namespace, reachable from all of them. Only the network
+namespace changes (not the mount namespace), so processes stay checkpointable with CRIU.
+Needs root and iproute2's ``ip``; everything is removed when the job ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import ipaddress
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NETNS_DIR = Path("/run/netns")
+INNER_IFNAME = "xmig0"  # the node's interface, the same name in every namespace
+CLONE_NEWNET = 0x40000000
+IP_TIMEOUT_S = 20.0
+
+
+class HostSetupError(RuntimeError):
+    """The simulated hosts could not be created (not root, no ``ip``, a failing command)."""
+
+
+def _ip(*args: str) -> str:
+    try:
+        done = subprocess.run(
+            ["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise HostSetupError(
+            f"`ip {' '.join(args)}` did not finish in {IP_TIMEOUT_S:.0f} s"
+        ) from None
+    if done.returncode != 0:
+        raise HostSetupError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def check_can_simulate() -> None:
+    """Raise HostSetupError saying why simulated hosts are impossible here, if they are."""
+    if os.geteuid() != 0:
+        raise HostSetupError("--simulate-hosts needs root: it creates network namespaces")
+    if shutil.which("ip") is None:
+        raise HostSetupError(
+            "--simulate-hosts needs the `ip` command (Debian: apt install iproute2)"
+        )
+
+
+def _free_subnet(seed: str) -> ipaddress.IPv4Network:
+    """A 10.x.y.0/24 that no interface of this machine uses, chosen from ``seed``."""
+    used = []
+    for line in _ip("-o", "-4", "addr", "show").splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            used.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
+    start = int(hashlib.sha256(seed.encode()).hexdigest(), 16)
+    for offset in range(4096):
+        value = (start + offset) % (200 * 256)
+        subnet = ipaddress.ip_network(f"10.{value // 256 + 40}.{value % 256}.0/24")
+        if not any(subnet.overlaps(other) for other in used):
+            return subnet
+    raise HostSetupError("no free 10.x.y.0/24 subnet for the simulated hosts")
+
+
+@dataclass
+class SimulatedHosts:
+    """The namespaces of one job: node ``k`` lives in ``namespace(k)`` at ``address(k)``."""
+
+    job_id: str
+    count: int
+    subnet: ipaddress.IPv4Network | None = None
+    created: list[str] = field(default_factory=list)  # namespaces, to remove
+    bridge: str = ""
+
+    @property
+    def tag(self) -> str:
+        return hashlib.sha256(self.job_id.encode()).hexdigest()[:5]
+
+    def namespace(self, node: int) -> str:
+        return f"xmig-{self.tag}-n{node}"
+
+    def address(self, node: int) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + node + 2)
+
+    @property
+    def bridge_address(self) -> str:
+        """Where the coordinator listens: reachable from every node's namespace."""
+        assert self.subnet is not None
+        return str(self.subnet.network_address + 1)
+
+    def create(self) -> SimulatedHosts:
+        check_can_simulate()
+        self.subnet = _free_subnet(self.job_id)
+        prefix = self.subnet.prefixlen
+        self.bridge = f"xmb{self.tag}"
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.bridge_address}/{prefix}", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for node in range(self.count):
+                namespace, outer = self.namespace(node), f"xmv{self.tag}n{node}"
+                _ip("netns", "add", namespace)
+                self.created.append(namespace)
+                _ip("link", "add", outer, "type", "veth", "peer", "name", INNER_IFNAME,
+                    "netns", namespace)  # fmt: skip
+                _ip("link", "set", outer, "master", self.bridge, "up")
+                _ip("-n", namespace, "addr", "add", f"{self.address(node)}/{prefix}", "dev",
+                    INNER_IFNAME)  # fmt: skip
+                _ip("-n", namespace, "link", "set", INNER_IFNAME, "up")
+                _ip("-n", namespace, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def enter(self, node: int) -> Callable[[], None]:
+        """A ``preexec_fn`` that moves the child into node ``node``'s network namespace."""
+        path = str(NETNS_DIR / self.namespace(node))
+
+        def enter_namespace() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns({path}) failed")
+            finally:
+                os.close(fd)
+
+        return enter_namespace
+
+    def environment(self) -> dict[str, str]:
+        """What a process in a node's namespace needs: the interface its communication
+        libraries must use (gloo and NCCL would otherwise pick by host name)."""
+        return {"GLOO_SOCKET_IFNAME": INNER_IFNAME, "NCCL_SOCKET_IFNAME": INNER_IFNAME}
+
+    def remove(self) -> None:
+        """Delete the namespaces (their veth pairs go with them) and the bridge."""
+        for namespace in self.created:
+            with contextlib.suppress(HostSetupError):
+                _ip("netns", "del", namespace)
+        self.created.clear()
+        if self.bridge:
+            with contextlib.suppress(HostSetupError):
+                _ip("link", "del", self.bridge)
+            self.bridge = ""
