@@ -22,6 +22,12 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def outlive_parent() -> None:
+    """Undo ``die_with_parent`` for this process (before it is moved to another parent)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, 0)
+
+
 def stop_process(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds; returns once the process is reaped."""
     if proc.poll() is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
+import json
 import os
 import queue
 import sys
@@ -21,6 +23,7 @@ from xmig.agent.link import AgentLink
 from xmig.ccl import BACKENDS, Communicator
 from xmig.faults import FaultSpec, Injector
 from xmig.jobenv import WorkerEnv
+from xmig.procs import die_with_parent, outlive_parent
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
 from xmig.state import TransferStats, params_sha256, recv_state, reseed, send_state
 from xmig.state import ddp as ddp_state
@@ -86,6 +89,12 @@ class Session:
         self._redo_from: int | None = None
         self._stash: dict[str, Any] | None = None
         self._plans: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        # a pause at a step boundary (migration): the step to pause at, the last started step
+        self._pause_lock = threading.Lock()
+        self._pause_at: dict[str, Any] | None = None
+        self._boundary: int | None = None
+        self._paused_at: int | None = None
+        self._pause_orders: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._recoveries_started = 0
         self._suppressed_step = False
         self._optimizer_waiting = False
@@ -130,10 +139,15 @@ class Session:
         _register_backend(self.backend)
         created: list[ProxyProcessGroup] = []
 
+        raw_store: dist.Store | None = None
+
         def create(store: dist.Store, rank: int, size: int, pg_timeout: timedelta) -> Any:
-            self.store = store
+            # c10d hands a store with a prefix of its own choosing; xmig's communicators use
+            # the job's store directly, so a process that reconnects (after a migration)
+            # finds their keys with a store client of its own
+            self.store = raw_store if raw_store is not None else store
             communicator = Communicator(
-                self.backend, "world", self.env.generation, store, rank, size, pg_timeout
+                self.backend, "world", self.env.generation, self.store, rank, size, pg_timeout
             )
             proxy = ProxyProcessGroup(
                 communicator,
@@ -150,7 +164,7 @@ class Session:
         _create_group = create
         if self.env.managed:
             # the coordinator hosts the job's store; every rank is a client of it
-            store = dist.TCPStore(
+            store = raw_store = dist.TCPStore(
                 self.env.master_addr, self.env.master_port, is_master=False, timeout=timeout
             )
             dist.init_process_group(
@@ -273,6 +287,7 @@ class Session:
             self.first_step = start
         try:
             while step < total:
+                self._maybe_pause(step)
                 with self.state_lock:
                     self._snapshot_objects()
                     self.step = step
@@ -367,7 +382,13 @@ class Session:
     def _recovery_loop(self) -> None:
         while True:
             plan = self._plans.get()
-            if plan.get("op") != "park":
+            op = plan.get("op")
+            if op == "pause":
+                self._set_pause(plan)
+                continue
+            if op in ("dump", "resume", "abort"):
+                self._pause_orders.put(plan)  # for a step loop paused at its boundary
+            if op != "park":
                 continue  # a stale order of an earlier generation
             self._recoveries_started += 1
             try:
@@ -512,6 +533,103 @@ class Session:
             self._suppressed_step = True
         self._redo_from = resume_step
         self.proxy.void()
+
+    # ---- migration: pause at a boundary, be checkpointed, rejoin ------------------------------
+    def _set_pause(self, plan: dict[str, Any]) -> None:
+        """Pause at the start of ``plan["step"]``, or say this rank has already begun it."""
+        assert self.link is not None
+        target = int(plan["step"])
+        with self._pause_lock:
+            started = self._boundary
+            if started is not None and started >= target:
+                self.link.report("pause_refused", generation=plan["generation"], step=started)
+                return
+            self._pause_at = plan
+            if self._paused_at is not None and self._paused_at < target:
+                # paused at an earlier boundary of a superseded order: go on to this one
+                self._pause_orders.put({"op": "continue", "generation": plan["generation"]})
+
+    def _maybe_pause(self, step: int) -> None:
+        with self._pause_lock:
+            self._boundary = step
+            plan = self._pause_at
+            if plan is None or int(plan["step"]) != step:
+                return
+            self._pause_at = None
+            self._paused_at = step
+        try:
+            self._paused(step, plan)
+        finally:
+            with self._pause_lock:
+                self._paused_at = None
+
+    def _paused(self, step: int, plan: dict[str, Any]) -> None:
+        """Wait at this boundary, every collective of the last step complete, until the
+        coordinator resumes the job on a new generation's communicator."""
+        assert self.link is not None
+        generation = int(plan["generation"])
+        self.link.report("paused", generation=generation, step=step)
+        while True:
+            order = self._next_pause_order()
+            if order["op"] == "abort":
+                raise RecoveryFailed(str(order.get("reason", "the coordinator gave up")))
+            if int(order.get("generation", -1)) != generation:
+                continue
+            if order["op"] == "continue":
+                return
+            if order["op"] == "dump":
+                self._be_moved(order)
+            elif order["op"] == "resume":
+                communicator = Communicator(self.backend, "world", generation, self.store,
+                                            self.rank, self.world_size, self.timeout)  # fmt: skip
+                self.proxy.switch(communicator)
+                self.link.report("resumed", generation=generation)
+                return
+
+    def _next_pause_order(self) -> dict[str, Any]:
+        try:
+            return self._pause_orders.get(timeout=self.env.recovery_timeout)
+        except queue.Empty:
+            self._die(f"paused for migration and no order came within "
+                      f"{self.env.recovery_timeout:.0f} s")  # fmt: skip
+            raise  # not reached
+
+    def _be_moved(self, order: dict[str, Any]) -> None:
+        """This rank is the one moving: close the connections that cannot move, let the
+        agent checkpoint this process, and, restored on the target node, reconnect there."""
+        assert self.link is not None
+        rejoin = order["rejoin_file"]
+        # before the agent hears of it: its dump may come at once. The restorer becomes the
+        # parent for a moment, then exits
+        outlive_parent()
+        self.link.ready_for_dump()
+        self.link.close()
+        deadline = time.monotonic() + self.env.recovery_timeout
+        while not os.path.exists(rejoin):  # the process is frozen and moved meanwhile
+            if time.monotonic() > deadline:
+                limit = self.env.recovery_timeout
+                print(f"xmig: rank {self.rank}: not moved within {limit:.0f} s", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                os._exit(1)
+            time.sleep(0.01)
+        with open(rejoin) as source:
+            where = json.load(source)
+        os.unlink(rejoin)
+        # the restorer is still the parent for a moment; then the target node's agent (its
+        # child subreaper) adopts this process, and this process must die with that agent
+        while os.getppid() != int(where["agent_pid"]):
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(0.002)
+        die_with_parent()
+        self.env = dataclasses.replace(self.env, agent_addr=where["agent_addr"],
+                                       node_rank=int(where["node"]))  # fmt: skip
+        self.link = AgentLink(self.env, on_inject=self.injector.add, on_plan=self._on_plan)
+        # the store's connection came back closed: a new one, from this node's address
+        self.store = dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False,
+                                   timeout=self.timeout)  # fmt: skip
+        self.link.report("rejoined", generation=order["generation"],
+                         netns=os.stat("/proc/self/ns/net").st_ino)  # fmt: skip
 
     # ---- recovery: the replacement ----------------------------------------------------------
     def _start_receiving(self) -> None:

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from xmig.agent.spare import READY_FD as SPARE_READY_FD
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
+from xmig.migrate import criu
 from xmig.procs import die_with_parent
 from xmig.wire import Client, Peer, Server, WireError, format_address
 
@@ -28,7 +32,7 @@ class Worker:
 
     rank: int
     local_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | AdoptedProcess
     pidfd: int
     attempt: int
     state: str = "starting"  # starting, running, done, faulted, stopping, exited
@@ -41,6 +45,53 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+class AdoptedProcess:
+    """A worker this agent did not start (restored by CRIU, then re-parented to the agent,
+    its child subreaper): the parts of ``Popen`` the agent uses."""
+
+    args: list[str] = []
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def stdio_resources(fds: dict[str, str]) -> dict[int, str]:
+    """For a worker's stdout/stderr on its old node (``/proc/PID/fd`` link targets), the CRIU
+    resource each stands for: a pipe, a socket or a log file there; /dev/null and the like
+    exist everywhere and need nothing."""
+    resources: dict[int, str] = {}
+    for fd, target in sorted(fds.items()):
+        if target.startswith(("pipe:", "socket:")):
+            resource = target
+        elif target.startswith("/") and not target.startswith("/dev/"):
+            resource = target.lstrip("/")  # CRIU names files by their path from the root
+        else:
+            continue
+        if resource not in resources.values():
+            resources[int(fd)] = resource
+    return resources
 
 
 @dataclass
@@ -80,6 +131,7 @@ class Agent:
         self.workers: dict[int, Worker] = {}
         self.fired: dict[int, list[dict[str, Any]]] = {}  # injected faults already carried out
         self.spares: list[Spare] = []
+        self._dump_orders: dict[int, dict[str, Any]] = {}
         self._spare_due = 0.0
         self.job: dict[str, Any] = {}
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -133,11 +185,15 @@ class Agent:
                     self._post("node_loss", (msg["fault"], msg["t"]))
             elif op == "comm_error":
                 self._post("comm_error", (rank, worker.pid, msg, wall))
-            elif op in ("parked", "recovered", "recovery_failed"):
+            elif op in ("parked", "recovered", "recovery_failed", "paused", "pause_refused",
+                        "rejoined", "resumed"):  # fmt: skip
                 fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
                 self._post("forward", (op, {"rank": rank, **fields}))
             elif op == "error":
                 self._post("worker_error", (rank, worker.pid, msg, wall))
+            elif op == "ready_for_dump":
+                worker.state = "migrating"  # its link closes next; that is not a fault
+                self._post("dump_now", rank)
             elif op == "done":
                 worker.state = "done"
                 self._post("done", (rank, msg))
@@ -154,11 +210,14 @@ class Agent:
             on_push=self._on_coord_push,
             on_close=self._on_coord_lost,
         )
+        # a restored (migrated) worker's restorer exits at once: the worker becomes ours
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
         netns = os.stat("/proc/self/ns/net").st_ino
         reply = self.coord.call("agent_hello", node=self.node_rank, pid=os.getpid(), netns=netns)
         self.job = reply["job"]
         self.heartbeat_timeout = float(self.job["heartbeat_timeout"])
         threading.Thread(target=self._keep_alive, name="xmig-alive", daemon=True).start()
+        threading.Thread(target=self._report_criu, name="xmig-criu", daemon=True).start()
         nproc = int(self.job["nproc_per_node"])
         if self.node_rank < int(self.job["nnodes"]):  # a spare node starts idle
             for local_rank in range(nproc):
@@ -195,6 +254,76 @@ class Agent:
                 self.coord.notify("agent_alive")
             except WireError:
                 return
+
+    def _report_criu(self) -> None:
+        usable, detail = criu.criu_status()
+        self._post("forward", ("criu", {"node": self.node_rank, "usable": usable,
+                                        "detail": detail}))  # fmt: skip
+
+    # ---- migration ----------------------------------------------------------------------------
+    def _dump(self, rank: int) -> None:
+        """Checkpoint a paused worker that closed its connections (on a thread of its own)."""
+        worker, order = self.workers[rank], self._dump_orders.pop(rank)
+        fds = {}
+        for fd in (1, 2):  # pipes shared with the launcher: the target hands its own on
+            with contextlib.suppress(OSError):
+                fds[str(fd)] = os.readlink(f"/proc/{worker.pid}/fd/{fd}")
+        started = time.monotonic()
+        generation = order["generation"]
+        try:
+            criu.dump(worker.pid, order["images"], tcp_close=True)
+        except criu.CriuError as exc:
+            self._post("dumped", (rank, {"ok": False, "error": str(exc),
+                                         "generation": generation}))  # fmt: skip
+            return
+        took = time.monotonic() - started
+        size = sum(f.stat().st_size for f in Path(order["images"]).iterdir() if f.is_file())
+        self._post("dumped", (rank, {"ok": True, "dump_s": took, "image_bytes": size,
+                                     "fds": fds, "generation": generation}))  # fmt: skip
+
+    def _dumped(self, rank: int, result: dict[str, Any]) -> None:
+        worker = self.workers[rank]
+        if result["ok"]:
+            if worker.state != "exited":
+                self._reap(rank)  # CRIU ended it; its PID must be free for the restore
+            del self.workers[rank]
+        self._notify("dumped", rank=rank, node=self.node_rank, pid=worker.pid, **result)
+
+    def _restore(self, order: dict[str, Any]) -> None:
+        """Bring a migrated worker back in this node (its network namespace) and adopt it."""
+        rank, pid = int(order["rank"]), int(order["pid"])
+        rejoin = Path(order["rejoin_file"])
+        assert self.server is not None
+        partial = rejoin.with_suffix(".partial")
+        where = {"agent_addr": format_address(self.server.address), "node": self.node_rank,
+                 "agent_pid": os.getpid()}  # fmt: skip
+        partial.write_text(json.dumps(where))
+        os.replace(partial, rejoin)
+        worker = Worker(rank=rank, local_rank=int(order["local_rank"]), proc=AdoptedProcess(pid),
+                        pidfd=-1, attempt=int(order["attempt"]))  # fmt: skip
+        with self._lock:
+            self.workers[rank] = worker  # before it says hello
+        # the worker's output goes where this agent's goes (duplicates handed to criu)
+        inherit = {os.dup(fd): res for fd, res in stdio_resources(order.get("fds", {})).items()}
+        started = time.monotonic()
+        try:
+            criu.restore(order["images"], tcp_close=True, inherit_fds=inherit)
+        except criu.CriuError as exc:
+            for fd in inherit:
+                os.close(fd)
+            with self._lock:
+                del self.workers[rank]
+            self._notify("restored", rank=rank, node=self.node_rank, ok=False, error=str(exc),
+                         generation=order["generation"])  # fmt: skip
+            return
+        took = time.monotonic() - started
+        for fd in inherit:
+            os.close(fd)
+        worker.pidfd = os.pidfd_open(pid)
+        self._selector.register(worker.pidfd, selectors.EVENT_READ, rank)
+        self._notify("restored", rank=rank, node=self.node_rank, ok=True, pid=pid,
+                     restore_s=took, generation=order["generation"])  # fmt: skip
+        shutil.rmtree(order["images"], ignore_errors=True)  # the worker removes the rejoin file
 
     def _lose_node(self, fault: dict[str, Any], t: float) -> None:
         """An injected node loss: every process of this node dies at once, this agent too."""
@@ -243,10 +372,24 @@ class Agent:
         elif kind == "forward":
             op, fields = data
             self._notify(op, **fields)
-        elif kind in ("park", "rebuild", "abort"):
+        elif kind in ("park", "rebuild", "abort", "pause", "resume"):
             for worker in self.workers.values():
                 if worker.peer is not None and worker.state in ("running", "done"):
                     worker.peer.push(data)
+        elif kind == "dump":
+            worker = self.workers.get(int(data["rank"]))
+            self._dump_orders[int(data["rank"])] = data
+            if worker is None or worker.peer is None or not worker.peer.push(data):
+                self._notify("dumped", rank=int(data["rank"]), node=self.node_rank, ok=False,
+                             error="the rank is not connected to its agent",
+                             generation=data["generation"])  # fmt: skip
+        elif kind == "dump_now":
+            threading.Thread(target=self._dump, args=(data,), name="xmig-dump",
+                             daemon=True).start()  # fmt: skip
+        elif kind == "dumped":
+            self._dumped(*data)
+        elif kind == "restore":
+            self._restore(data)
         elif kind == "respawn":
             rank = int(data["rank"])
             old = self.workers.get(rank)
@@ -290,7 +433,7 @@ class Agent:
         job = self.job
         fired = self.fired.get(rank, [])
         faults = [FaultSpec.from_json(f) for f in job["faults"] if f["rank"] == rank
-                  and f not in fired]  # fmt: skip
+                  and f not in fired and f["kind"] != "migrate"]  # fmt: skip
         assert self.server is not None
         env = WorkerEnv(
             rank=rank,
@@ -420,7 +563,7 @@ class Agent:
         self._selector.unregister(worker.pidfd)
         os.close(worker.pidfd)
         previous, worker.state = worker.state, "exited"
-        if previous in ("stopping", "faulted"):
+        if previous in ("stopping", "faulted", "migrating"):
             return
         if returncode != 0 and previous == "done":
             kind, detail = describe_exit(returncode)

@@ -15,6 +15,8 @@ from xmig.jobenv import WorkerEnv
 from xmig.wire import Client, WireError, parse_address
 
 LOST_AGENT_EXIT_CODE = 70
+# orders from the coordinator that the agent hands on to its workers
+PLAN_OPS = ("park", "rebuild", "abort", "pause", "dump", "resume")
 
 
 class AgentLink:
@@ -60,7 +62,7 @@ class AgentLink:
     def _on_push(self, msg: dict) -> None:
         if msg.get("op") == "inject":
             self._on_inject(FaultSpec.from_json(msg["fault"]))
-        elif msg.get("op") in ("park", "rebuild", "abort") and self._on_plan is not None:
+        elif msg.get("op") in PLAN_OPS and self._on_plan is not None:
             self._on_plan(msg)
 
     def _on_lost(self) -> None:
@@ -105,6 +107,11 @@ class AgentLink:
             self._client.notify(op, t=time.time(), **fields)
         except WireError:
             self._on_lost()
+
+    def ready_for_dump(self) -> None:
+        """Tell the agent this process is quiet and may be checkpointed; returns once it knows
+        (the worker closes this link next: its end is not a fault)."""
+        self._client.call("ready_for_dump", t=time.time(), timeout=10.0)
 
     def report_done(self, steps: int, params_sha256: str | None) -> None:
         """Report that the training loop finished ``steps`` steps."""

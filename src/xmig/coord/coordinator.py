@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from xmig.coord.job import JobSpec, describe_fault
+from xmig.coord.migration import Migration, describe_migration, images_root
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
 from xmig.faults.spec import FaultSpecError, parse_fault
 from xmig.wire import Peer, Server, format_address
@@ -18,6 +19,9 @@ from xmig.wire import Peer, Server, format_address
 # faults detected within this window of the first one are weighed together: the earliest is
 # the cause, the rest (peers failing because it died) are its consequences
 SETTLE_WINDOW_S = 0.1
+# reports the decision loop handles in order: recoveries' and migrations' steps
+QUEUED_REPORTS = ("worker_joined", "parked", "recovered", "recovery_failed", "paused",
+                  "pause_refused", "rejoined", "resumed", "dumped", "restored")  # fmt: skip
 
 
 def log(text: str) -> None:
@@ -73,6 +77,10 @@ class Coordinator:
         self.fired: dict[int, list[dict[str, Any]]] = {}  # rank -> injected faults carried out
         self.recovery: Recovery | None = None
         self.recovery_deadline = 0.0
+        self.migration: Migration | None = None
+        self.migrations: list[dict[str, Any]] = []
+        self.criu: dict[int, dict[str, Any]] = {}  # node -> whether CRIU is usable there
+        self.scheduled = [f for f in spec.faults if f["kind"] == "migrate"]
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.finished = threading.Event()
@@ -119,9 +127,19 @@ class Coordinator:
                 self.spares_ready[int(msg["node"])] = int(msg["ready"])
             elif op == "progress":
                 self.progress[int(msg["rank"])] = int(msg["step"])
+                self._start_scheduled_migration(int(msg["rank"]), int(msg["step"]))
             elif op == "worker_done":
                 self.done[int(msg["rank"])] = msg
-            elif op in ("worker_joined", "parked", "recovered", "recovery_failed"):
+                if self.migration is not None:
+                    self._events.put(("done_during_migration", int(msg["rank"])))
+            elif op == "criu":
+                self.criu[int(msg["node"])] = {"usable": bool(msg["usable"]),
+                                               "detail": str(msg["detail"])}  # fmt: skip
+            elif op == "migrate":
+                to = msg.get("to")
+                return {"migration": self._request_migration(
+                    int(msg["rank"]), None if to is None else int(to), "request")}  # fmt: skip
+            elif op in QUEUED_REPORTS:
                 self._events.put((op, msg))
             elif op == "worker_exited":
                 self._events.put(("exited", int(msg["rank"])))
@@ -251,9 +269,13 @@ class Coordinator:
             with self._lock:
                 if data not in self.agents:
                     return  # already handled (its connection closed and it went silent)
-                if self.status in ("running", "starting", "recovering"):
+                if self.status in ("running", "starting", "recovering", "migrating"):
                     record = self._agent_lost_record(data)
                     if record is None:
+                        return
+                    if self.status == "migrating":
+                        self.faults.append({**record, "secondary": False})
+                        self._abort_migration(f"the agent of node {data} was lost")
                         return
                     if self.status == "recovering":
                         self.faults.append({**record, "secondary": False})
@@ -277,13 +299,17 @@ class Coordinator:
         elif kind in ("parked", "recovered", "recovery_failed"):
             with self._lock:
                 self._on_recovery_report(kind, data)
+        elif kind in ("paused", "pause_refused", "rejoined", "resumed", "dumped", "restored",
+                      "done_during_migration"):  # fmt: skip
+            with self._lock:
+                self._on_migration_report(kind, data)
         elif kind == "stop":
             with self._lock:
-                if self.status in ("running", "starting", "recovering"):
-                    if self.recovery is not None:
+                if self.status in ("running", "starting", "recovering", "migrating"):
+                    if self.recovery is not None or self.migration is not None:
                         for agent in self.agents.values():
                             agent.push({"op": "abort", "reason": data})
-                        self.recovery = None
+                        self.recovery = self.migration = None
                     self._stop_job(data)
         elif kind == "stopped":
             with self._lock:
@@ -302,6 +328,13 @@ class Coordinator:
                 self.faults.append(record)
                 log(f"fault during recovery: {describe_fault(record)}")
                 self._abort_recovery("a second fault hit during recovery")
+                return
+            if self.status == "migrating":
+                record["secondary"] = False
+                self.faults.append(record)
+                self.primary = record
+                log(f"fault during a migration: {describe_fault(record)}")
+                self._abort_migration("a fault hit during the migration")
                 return
             if self.status not in ("running", "starting"):
                 record["secondary"] = True
@@ -463,7 +496,135 @@ class Coordinator:
         log(f"recovery impossible: {reason}")
         self._stop_job("fault")
 
+    # ---- migration ---------------------------------------------------------------------------
+    def _migration_problem(self, rank: int, target: int | None) -> tuple[str | None, int]:
+        """Why ``rank`` cannot move to ``target`` now (None: it can), and the target."""
+        if self.status != "running":
+            return f"the job is {self.status}, not running", -1
+        if not 0 <= rank < self.spec.world_size:
+            return f"rank {rank} does not exist (world size {self.spec.world_size})", -1
+        member = self.members.get(rank)
+        if member is None or rank not in self.progress:
+            return f"rank {rank} has not started training yet", -1
+        if target is None:
+            idle = self._idle_nodes()
+            if not idle:
+                return "no idle node to move to: name one with --to, or start the job with "\
+                       "--spare-nodes", -1  # fmt: skip
+            target = idle[0]
+        if not 0 <= target < self.spec.all_nodes:
+            return f"node {target} does not exist (nodes 0..{self.spec.all_nodes - 1})", target
+        if target not in self.agents:
+            return f"node {target} is lost", target
+        if target == member["node"]:
+            return f"rank {rank} is already on node {target}", target
+        for node in (member["node"], target):
+            status = self.criu.get(node)
+            if status is None:
+                return f"node {node} has not reported whether CRIU works there yet", target
+            if not status["usable"]:
+                return f"CRIU is not usable on node {node}: {status['detail']}", target
+        return None, target
+
+    def _request_migration(self, rank: int, target: int | None, why: str) -> str:
+        problem, target = self._migration_problem(rank, target)
+        if problem is not None:
+            raise ValueError(problem)
+        self.generation += 1
+        member = self.members[rank]
+        step = max(self.progress.values()) + 1  # a boundary no rank has passed yet
+        images = images_root(self.spec.job_id) / f"rank{rank}-g{self.generation}"
+        self.migration = Migration(self.generation, rank, int(member["pid"]),
+                                   int(member["node"]), target, step, str(images), why)  # fmt: skip
+        self.status = "migrating"
+        self.recovery_deadline = time.monotonic() + self.spec.recovery_timeout
+        self._push_all(self.migration.order("pause", step=step))
+        text = (f"moving rank {rank} from node {member['node']} to node {target} at the "
+                f"start of step {step} (generation {self.generation})")  # fmt: skip
+        log(text)
+        return text
+
+    def _start_scheduled_migration(self, rank: int, step: int) -> None:
+        for fault in list(self.scheduled):
+            if fault["rank"] == rank and step >= int(fault["step"]) - 1:
+                self.scheduled.remove(fault)
+                try:
+                    self._request_migration(rank, fault.get("to"), "injected")
+                except ValueError as exc:
+                    log(f"injected migration of rank {rank} not done: {exc}")
+
+    def _push_all(self, msg: dict[str, Any]) -> None:
+        for agent in self.agents.values():
+            agent.push(msg)
+
+    def _on_migration_report(self, kind: str, data: Any) -> None:
+        m = self.migration
+        if m is None:
+            return
+        if kind == "done_during_migration":
+            if not m.paused:
+                log(f"migration of rank {m.rank} not done: the job finished first")
+                self.migration = None
+                self.status = "running"
+                self._push_all(m.order("pause", step=-1))  # nobody pauses any more
+            return
+        if int(data.get("generation", -1)) != m.generation:
+            return
+        rank = int(data.get("rank", -1))
+        now = time.time()
+        if kind == "pause_refused":
+            m.step = max(m.step, int(data["step"]) + 1)
+            m.paused.clear()
+            self._push_all(m.order("pause", step=m.step))
+        elif kind == "paused" and int(data["step"]) == m.step:
+            m.paused[rank] = m.step
+            if len(m.paused) == self.spec.world_size:
+                m.times["quiesced"] = now
+                self.agents[m.source].push(m.order("dump", rank=m.rank, images=m.images,
+                                                   rejoin_file=m.rejoin_file))  # fmt: skip
+        elif kind == "dumped":
+            if not data.get("ok"):
+                self._abort_migration(f"checkpointing rank {m.rank} failed: {data.get('error')}")
+                return
+            m.times["dumped"] = now
+            m.dump_s, m.image_bytes = float(data["dump_s"]), int(data["image_bytes"])
+            member = self.members[m.rank]
+            self.agents[m.target].push(m.order(
+                "restore", rank=m.rank, pid=m.pid, images=m.images, rejoin_file=m.rejoin_file,
+                local_rank=m.rank % self.spec.nproc_per_node, attempt=member["attempt"],
+                fds=data.get("fds", {})))  # fmt: skip
+        elif kind == "restored":
+            if not data.get("ok"):
+                self._abort_migration(f"restoring rank {m.rank} failed: {data.get('error')}")
+                return
+            m.times["restored"] = now
+            m.restore_s, m.restored_pid = float(data["restore_s"]), int(data["pid"])
+            self.members[m.rank]["node"] = m.target
+        elif kind == "rejoined" and rank == m.rank:
+            m.netns = data.get("netns")
+            self._push_all(m.order("resume"))
+        elif kind == "resumed":
+            m.resumed.add(rank)
+            if len(m.resumed) == self.spec.world_size:
+                m.times["resumed"] = now
+                record = m.record()
+                self.migrations.append(record)
+                self.migration = None
+                self.status = "running"
+                log(describe_migration(record))
+
+    def _abort_migration(self, reason: str) -> None:
+        self._push_all({"op": "abort", "reason": reason})
+        self.migration = None
+        self.reason = reason
+        log(f"migration failed: {reason}")
+        self._stop_job("fault")
+
     def _check_recovery_deadline(self) -> None:
+        if self.migration is not None and time.monotonic() > self.recovery_deadline:
+            self._abort_migration(f"rank {self.migration.rank} was not moved within "
+                                  f"{self.spec.recovery_timeout:.0f} s")  # fmt: skip
+            return
         recovery = self.recovery
         if recovery is None or time.monotonic() <= self.recovery_deadline:
             return
@@ -544,6 +705,7 @@ class Coordinator:
             "faults": [f for f in self.faults if not f.get("secondary")],
             "secondary_faults": [f for f in self.faults if f.get("secondary")],
             "recoveries": self.recoveries,
+            "migrations": self.migrations,
             "worker_pids": {str(r): pids for r, pids in sorted(self.worker_pids.items())},
             "coordinator_pid": os.getpid(),
             "agent_pids": {str(n): p for n, p in sorted(self.agent_pids.items())},

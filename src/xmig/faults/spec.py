@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# node: the whole node of the rank is lost at once (its agent, its workers, its spares)
-KINDS = ("kill", "exit", "raise", "hang", "node")
+# node: the whole node of the rank is lost at once (its agent, its workers, its spares);
+# migrate: not a fault, a planned move of the rank to another node (to=N) at a step boundary
+KINDS = ("kill", "exit", "raise", "hang", "node", "migrate")
 POINTS = ("forward", "backward", "optimizer", "boundary")
 DEFAULT_POINT = "backward"
 
@@ -29,6 +30,7 @@ class FaultSpec:
     step: int | None
     at: str = DEFAULT_POINT
     code: int = 1
+    to: int | None = None  # migrate: the target node (None: a spare node)
 
     @property
     def collective(self) -> int | None:
@@ -44,6 +46,8 @@ class FaultSpec:
         text += f":at={self.at}"
         if self.kind == "exit" and self.code != 1:
             text += f":code={self.code}"
+        if self.to is not None:
+            text += f":to={self.to}"
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -80,7 +84,7 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
         if key in fields:
             raise FaultSpecError(f"{key} given twice in {spec!r}")
         fields[key] = value
-    unknown = set(fields) - {"rank", "step", "at", "code"}
+    unknown = set(fields) - {"rank", "step", "at", "code", "to"}
     if unknown:
         raise FaultSpecError(f"unknown field {sorted(unknown)[0]!r} in {spec!r}")
     if "rank" not in fields:
@@ -105,7 +109,16 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
         code = _int_field("code", fields["code"], spec, 1)
         if code > 255:
             raise FaultSpecError(f"code must be <= 255 in {spec!r}")
-    return FaultSpec(kind=kind, rank=rank, step=step, at=at, code=code)
+    to = None
+    if "to" in fields:
+        if kind != "migrate":
+            raise FaultSpecError(f"to= applies only to migrate, in {spec!r}")
+        to = _int_field("to", fields["to"], spec, 0)
+    if kind == "migrate":
+        if "at" in fields and at != "boundary":
+            raise FaultSpecError(f"a migration happens at a step boundary, in {spec!r}")
+        at = "boundary"
+    return FaultSpec(kind=kind, rank=rank, step=step, at=at, code=code, to=to)
 
 
 def parse_faults(specs: list[str], world_size: int) -> list[FaultSpec]:

@@ -14,6 +14,7 @@ import typer
 from xmig import __version__
 from xmig.coord.job import JobSpec
 from xmig.faults.spec import FaultSpecError, parse_faults
+from xmig.launch.doctor import run_doctor
 from xmig.launch.hosts import HostSetupError, check_can_simulate
 from xmig.launch.launcher import Launcher, LaunchError, find_job
 from xmig.wire import AuthError, Client, RemoteError, WireError, parse_address
@@ -144,6 +145,12 @@ def run(
         faults = parse_faults(inject or [], nnodes * nproc_per_node)
     except FaultSpecError as exc:
         raise click.UsageError(f"bad --inject: {exc}") from None
+    for fault in faults:
+        if fault.to is not None and fault.to >= nnodes + spare_nodes:
+            raise click.UsageError(
+                f"bad --inject: node {fault.to} does not exist in {fault} "
+                f"(nodes 0..{nnodes + spare_nodes - 1})"
+            )
     spec = JobSpec(
         job_id=time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex(),
         script=str(Path(script).resolve()),
@@ -219,6 +226,34 @@ def inject_cmd(
     finally:
         client.close()
     print(f"xmig: fault {reply['fault']} queued")
+
+
+@app.command("migrate")
+def migrate_cmd(
+    rank: Annotated[int, typer.Option(help="The rank to move.")],
+    to: Annotated[
+        int | None, typer.Option(help="The node to move it to (default: an idle node).")
+    ] = None,
+    job: JobOpt = None,
+    coord: CoordOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Move a rank's process to another node at the next step boundary (CRIU): it keeps
+    its PID and its state; the other ranks only pause."""
+    client = _connect(job, coord, token)
+    try:
+        reply = client.call("migrate", rank=rank, to=to, timeout=10.0)
+    except RemoteError as exc:
+        raise click.UsageError(f"migration refused: {exc}") from None
+    finally:
+        client.close()
+    print(f"xmig: {reply['migration']}")
+
+
+@app.command("doctor")
+def doctor_cmd() -> None:
+    """Check what this machine offers xmig: CRIU, network namespaces, the CUDA checkpoint API."""
+    raise typer.Exit(run_doctor())
 
 
 @app.command("status")

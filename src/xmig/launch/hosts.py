@@ -117,6 +117,9 @@ class SimulatedHosts:
                     INNER_IFNAME)  # fmt: skip
                 _ip("-n", namespace, "link", "set", INNER_IFNAME, "up")
                 _ip("-n", namespace, "link", "set", "lo", "up")
+                # a process moved here (CRIU) brings sockets bound to its old node's address
+                _ip("netns", "exec", namespace, "sh", "-c",
+                    "echo 1 > /proc/sys/net/ipv4/ip_nonlocal_bind")  # fmt: skip
         except BaseException:
             self.remove()
             raise

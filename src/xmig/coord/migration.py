@@ -1,0 +1,101 @@
+"""One live migration: a rank's process moves to another node at a step boundary.
+
+Every rank pauses at the start of the same step (no collective in flight), the moving rank
+closes what cannot move, its node's agent checkpoints it with CRIU, the target node's agent
+restores it (same PID, the target's network namespace), it reconnects, and every rank resumes
+on a new generation's communicator. No state pull, no replay: the process carried its state.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES = ("quiesce", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore", "rejoin")
+
+
+def images_root(job_id: str) -> Path:
+    """Where checkpoint images travel between agents: a directory both can read (one machine,
+    or a shared file system named by ``XMIG_MIGRATE_DIR``)."""
+    base = Path(os.environ.get("XMIG_MIGRATE_DIR", tempfile.gettempdir()))
+    return base / "xmig-migrate" / job_id
+
+
+@dataclass
+class Migration:
+    """A migration in progress (and, once done, its record)."""
+
+    generation: int
+    rank: int
+    pid: int
+    source: int
+    target: int
+    step: int  # the boundary every rank pauses at
+    images: str
+    why: str  # "request" or the injected spec
+    started: float = field(default_factory=time.time)
+    paused: dict[int, int] = field(default_factory=dict)
+    resumed: set[int] = field(default_factory=set)
+    times: dict[str, float] = field(default_factory=dict)  # event -> wall clock
+    dump_s: float = 0.0
+    restore_s: float = 0.0
+    image_bytes: int = 0
+    restored_pid: int | None = None
+    netns: int | None = None  # the network namespace the moved process reported from
+
+    @property
+    def rejoin_file(self) -> str:
+        return f"{self.images}.rejoin.json"
+
+    def order(self, op: str, **fields: Any) -> dict[str, Any]:
+        return {"op": op, "generation": self.generation, **fields}
+
+    def record(self) -> dict[str, Any]:
+        t = self.times
+        end = t.get("resumed", time.time())
+        quiesced = t.get("quiesced", self.started)
+        dumped = t.get("dumped", quiesced)
+        restored = t.get("restored", dumped)
+        phases = {
+            "quiesce": quiesced - self.started,
+            "gpu_checkpoint": 0.0,  # CPU processes have no GPU state to save
+            "dump": dumped - quiesced,
+            "transfer": 0.0,  # the images are written where the target reads them
+            "restore": restored - dumped,
+            "gpu_restore": 0.0,
+            "rejoin": end - restored,
+        }
+        return {
+            "kind": "migration",
+            "rank": self.rank,
+            "from_node": self.source,
+            "to_node": self.target,
+            "step": self.step,
+            "generation": self.generation,
+            "why": self.why,
+            "pid": self.pid,
+            "pid_kept": self.restored_pid == self.pid,
+            "netns": self.netns,
+            "phases": {k: round(max(0.0, v), 4) for k, v in phases.items()},
+            "criu_dump_s": round(self.dump_s, 4),
+            "criu_restore_s": round(self.restore_s, 4),
+            "image_bytes": self.image_bytes,
+            "downtime_s": round(end - quiesced, 4),
+            "total_s": round(end - self.started, 4),
+        }
+
+
+def describe_migration(record: dict[str, Any]) -> str:
+    """One human line for a migration record."""
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in record["phases"].items())
+    kept = "same PID" if record["pid_kept"] else "NEW PID"
+    return (
+        f"migrated rank {record['rank']} from node {record['from_node']} to node "
+        f"{record['to_node']} at step {record['step']} in {record['total_s']:.2f} s "
+        f"(downtime {record['downtime_s']:.2f} s, {kept} {record['pid']}, image "
+        f"{record['image_bytes'] / 1e6:.0f} MB) [{phases}]"
+    )

@@ -1,0 +1,162 @@
+"""``xmig doctor``: whether this machine has what moving a process needs.
+
+Checks CRIU, root, network namespaces through ``ip netns``, and on a GPU machine the CUDA
+checkpoint API. Every check reports instead of raising.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from xmig.migrate.criu import criu_status
+
+Check = tuple[str, bool, str]
+"""(check name, ok, detail)."""
+
+CUDA_CHECKPOINT_MIN = 12080
+"""Oldest CUDA driver API version (``cuDriverGetVersion``) with the ``cuCheckpointProcess*``
+entry points: CUDA 12.8, driver branch r570. (The ``cuda-checkpoint`` tool works from r550,
+through an interface that is not public.)"""
+
+
+def check_criu() -> Check:
+    """CRIU >= 4.2 found and ``criu check`` passes."""
+    ok, detail = criu_status()
+    return "CRIU", ok, detail
+
+
+def check_root() -> Check:
+    """Running as root (CRIU and network namespaces need it)."""
+    uid = os.geteuid()
+    if uid == 0:
+        return "root", True, "running as root"
+    return "root", False, f"running as uid {uid}: CRIU and network namespaces need root"
+
+
+def check_netns(timeout: float = 10.0) -> Check:
+    """``ip netns`` works; as root, a namespace is really added and deleted."""
+    name = "network namespaces"
+    ip = shutil.which("ip")
+    if ip is None:
+        return name, False, "no 'ip' command: install iproute2"
+
+    def ip_run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [ip, "netns", *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    listed = ip_run("list")
+    if listed.returncode != 0:
+        return name, False, f"'ip netns list' failed: {_last_line(listed.stderr)}"
+    if os.geteuid() != 0:
+        return name, False, "'ip netns list' works, but adding a namespace needs root"
+    probe = f"xmigdoctor-{secrets.token_hex(3)}"
+    added = ip_run("add", probe)
+    if added.returncode != 0:
+        return name, False, f"'ip netns add' failed: {_last_line(added.stderr)}"
+    deleted = ip_run("delete", probe)
+    if deleted.returncode != 0:
+        return name, False, f"'ip netns delete {probe}' failed: {_last_line(deleted.stderr)}"
+    return name, True, f"{ip}: a namespace was added and deleted"
+
+
+def check_cuda_checkpoint() -> Check:
+    """On a GPU machine: cuda-bindings with ``cuCheckpointProcessLock`` and a new enough driver."""
+    name = "CUDA checkpoint API"
+    try:
+        import torch
+    except ImportError:
+        return name, True, "not a GPU machine (torch is not installed)"
+    if not torch.cuda.is_available():
+        return name, True, "not a GPU machine (torch sees no CUDA device); not needed"
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return name, False, "cuda-bindings is not installed (pip install cuda-bindings)"
+    if not hasattr(driver, "cuCheckpointProcessLock"):
+        return name, False, "cuda-bindings is too old: it has no cuCheckpointProcessLock"
+    (err,) = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return name, False, f"cuInit failed: {err}"
+    err, version = driver.cuDriverGetVersion()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return name, False, f"cuDriverGetVersion failed: {err}"
+    have = f"driver {_kernel_driver_version() or '?'} (CUDA {_cuda_version_str(version)})"
+    if version < CUDA_CHECKPOINT_MIN:
+        need = _cuda_version_str(CUDA_CHECKPOINT_MIN)
+        return name, False, f"{have}: the checkpoint API needs CUDA {need} (r570) or newer"
+    try:
+        # a read-only call: fails with "not found" when the driver lacks the entry point
+        driver.cuCheckpointProcessGetState(os.getpid())
+    except RuntimeError as exc:
+        return name, False, f"{have}: cuCheckpointProcessGetState unusable: {exc}"
+    return name, True, f"{have}, cuda-bindings has cuCheckpointProcessLock"
+
+
+def _cuda_version_str(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _kernel_driver_version() -> str | None:
+    """The NVIDIA kernel driver's version (``580.159.03``), where the system shows it."""
+    try:
+        return Path("/sys/module/nvidia/version").read_text().strip()
+    except OSError:
+        pass
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)+)", text)
+    return m.group(1) if m else None
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
+
+
+CHECKS: tuple[Callable[[], Check], ...] = (
+    check_criu,
+    check_root,
+    check_netns,
+    check_cuda_checkpoint,
+)
+
+
+def doctor_report() -> list[Check]:
+    """Every check's (name, ok, detail); a check that raises is reported as failed."""
+    report: list[Check] = []
+    for check in CHECKS:
+        label = check.__name__.removeprefix("check_").replace("_", " ")
+        try:
+            report.append(check())
+        except Exception as exc:  # a broken check must not hide the others
+            report.append((label, False, f"the check itself failed: {type(exc).__name__}: {exc}"))
+    return report
+
+
+def run_doctor() -> int:
+    """Print the report as a table; 0 when everything checked is usable, else 1."""
+    report = doctor_report()
+    width = max(len(name) for name, _, _ in report)
+    print("xmig doctor: what this machine can do for process migration")
+    for name, ok, detail in report:
+        print(f"  [{' ok ' if ok else 'FAIL'}] {name:<{width}}  {detail}")
+    failed = [name for name, ok, _ in report if not ok]
+    if failed:
+        print(f"not ready: {', '.join(failed)}")
+        return 1
+    print("ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_doctor())

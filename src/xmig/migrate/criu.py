@@ -1,0 +1,346 @@
+"""A thin wrapper over the ``criu`` binary: find it, check it, dump and restore process trees.
+
+CRIU older than 4.2 does not work on current kernels (3.17 cannot start on >= 6.13, 4.1 cannot
+dump a process holding an IPv4 socket on >= 6.16); ``scripts/install-criu.sh`` builds 4.2.1.
+
+What the dumped tree needs: to be a session leader (``setsid``; otherwise pass
+``shell_job=True`` to both calls), its stdin/stdout/stderr on files or ``/dev/null``, and its
+connections to peers that stay behind closed (they are reset on a move to another namespace).
+A restore reuses the original PIDs: a parent that dumped its own child must reap it first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+MIN_VERSION: tuple[int, int] = (4, 2)
+"""The oldest CRIU that works on the kernels this runs on."""
+
+ENV_VAR = "XMIG_CRIU"
+"""Environment variable naming the criu binary to use (no fallback when set)."""
+
+DEFAULT_PATH = "/usr/local/sbin/criu"
+"""Where ``scripts/install-criu.sh`` installs criu by default."""
+
+INSTALL_HINT = "install it with: sudo bash scripts/install-criu.sh"
+
+_VERSION_RE = re.compile(r"^Version:\s*(\d+(?:\.\d+)*)", re.MULTILINE)
+_PID_TAKEN_RE = re.compile(r"Can't fork for (\d+): File exists")
+# printed on every run where criu may not raise its own open-file limit; not a failure
+_HARMLESS = ("Can't setup RLIMIT_NOFILE",)
+_LOG_TAIL_LINES = 15
+_PROBLEM_RE = re.compile(r"(?:Error|Warn)\s*\([^)]*\):\s*(.*)")
+
+
+class CriuError(RuntimeError):
+    """A criu command failed, or criu is missing or unusable.
+
+    ``log_tail`` holds the last lines of CRIU's log (empty when there is none).
+    """
+
+    def __init__(self, message: str, *, log_tail: str = "", returncode: int | None = None):
+        super().__init__(f"{message}\n{log_tail}" if log_tail else message)
+        self.log_tail = log_tail
+        self.returncode = returncode
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """The version in ``criu --version`` output (``Version: 4.2.1``), or None."""
+    m = _VERSION_RE.search(text)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else None
+
+
+def format_version(version: Sequence[int]) -> str:
+    """``(4, 2, 1)`` -> ``"4.2.1"``."""
+    return ".".join(str(p) for p in version)
+
+
+def version_ok(version: Sequence[int] | None) -> bool:
+    """Whether ``version`` is at least :data:`MIN_VERSION`."""
+    return version is not None and tuple(version) >= MIN_VERSION
+
+
+def criu_version(path: str, *, timeout: float = 10.0) -> tuple[int, ...] | None:
+    """The version the binary at ``path`` reports, or None when it does not run."""
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_version(out.stdout + out.stderr)
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_criu() -> str | None:
+    """The criu binary to use, or None.
+
+    ``$XMIG_CRIU`` when set (and nothing else then); otherwise ``criu`` on PATH, then
+    :data:`DEFAULT_PATH`. Of those two, the first that is new enough wins; when neither is, the
+    first that exists (so that callers can say which old version they found).
+    """
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env if _executable(env) else None
+    found: list[str] = []
+    for cand in (shutil.which("criu"), DEFAULT_PATH):
+        if cand and _executable(cand) and cand not in found:
+            found.append(cand)
+    for cand in found:
+        if version_ok(criu_version(cand)):
+            return cand
+    return found[0] if found else None
+
+
+def _where() -> str:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return f"${ENV_VAR}={env}"
+    return f"PATH and {DEFAULT_PATH}"
+
+
+def _require_criu() -> str:
+    """The criu binary, or CriuError saying why there is no usable one."""
+    path = find_criu()
+    if path is None:
+        raise CriuError(f"criu not found (looked at {_where()}); {INSTALL_HINT}")
+    version = criu_version(path)
+    if not version_ok(version):
+        raise CriuError(_too_old(path, version))
+    return path
+
+
+def _too_old(path: str, version: tuple[int, ...] | None) -> str:
+    have = f"CRIU {format_version(version)}" if version else "a criu that reports no version"
+    return f"{have} at {path}: need >= {format_version(MIN_VERSION)} on this kernel; {INSTALL_HINT}"
+
+
+def criu_status(*, timeout: float = 30.0) -> tuple[bool, str]:
+    """Whether CRIU is usable here, and a one-line reason. Never raises."""
+    try:
+        path = find_criu()
+        if path is None:
+            return False, f"criu not found (looked at {_where()}); {INSTALL_HINT}"
+        version = criu_version(path)
+        if not version_ok(version):
+            return False, _too_old(path, version)
+        head = f"CRIU {format_version(version or ())} at {path}"
+        if os.geteuid() != 0:
+            return False, f"{head}; not root: dump and restore need root"
+        try:
+            out = subprocess.run(
+                [path, "check"], capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            return False, f"{head}; 'criu check' did not finish in {timeout:g} s"
+        lines = _meaningful(out.stdout + out.stderr)
+        if out.returncode != 0:
+            detail = "; ".join(lines[-3:]) or f"exit {out.returncode}"
+            return False, f"{head}; 'criu check' failed: {detail}"
+        return True, f"{head}; criu check: {lines[-1] if lines else 'ok'}"
+    except Exception as exc:  # a status report must not take its caller down
+        return False, f"checking CRIU failed: {type(exc).__name__}: {exc}"
+
+
+def _meaningful(text: str) -> list[str]:
+    return [
+        ln.strip() for ln in text.splitlines() if ln.strip() and not any(h in ln for h in _HARMLESS)
+    ]
+
+
+def _log_tail(log: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    kept = [ln for ln in text.splitlines() if not any(h in ln for h in _HARMLESS)]
+    return "\n".join(kept[-lines:])
+
+
+def _run(
+    argv: list[str], log: Path, what: str, timeout: float, pass_fds: Sequence[int] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run criu; CriuError on a timeout (criu is killed then)."""
+    try:
+        return subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            pass_fds=tuple(pass_fds),
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise CriuError(
+            f"{what}: criu did not finish in {timeout:g} s (killed); log {log}",
+            log_tail=_log_tail(log),
+        ) from exc
+
+
+def _first_problem(text: str) -> str:
+    """CRIU's first error (or warning) in ``text``, without timestamp and source location."""
+    for line in text.splitlines():
+        m = _PROBLEM_RE.search(line)
+        if m and not any(h in line for h in _HARMLESS):
+            return m.group(1).strip()
+    return ""
+
+
+def _failure(
+    what: str, out: subprocess.CompletedProcess[str], log: Path, hint: str = ""
+) -> CriuError:
+    tail = _log_tail(log) or "\n".join(_meaningful(out.stdout + out.stderr)[-_LOG_TAIL_LINES:])
+    try:
+        full = log.read_text(errors="replace")
+    except OSError:
+        full = out.stdout + out.stderr
+    problem = _first_problem(full)
+    said = f": {problem}" if problem else ""
+    return CriuError(
+        f"{what} failed ({hint}criu exit {out.returncode}){said}; log {log}, last lines:",
+        log_tail=tail,
+        returncode=out.returncode,
+    )
+
+
+def _tcp_args(tcp_established: bool, tcp_close: bool) -> list[str]:
+    if tcp_established and tcp_close:
+        raise ValueError("tcp_established and tcp_close exclude each other")
+    if tcp_established:
+        # no iptables here: lock the network with nftables while connections are frozen
+        return ["--tcp-established", "--network-lock", "nftables"]
+    return ["--tcp-close"] if tcp_close else []
+
+
+def dump(
+    pid: int,
+    images_dir: str | os.PathLike[str],
+    *,
+    leave_running: bool = False,
+    tcp_established: bool = False,
+    tcp_close: bool = False,
+    shell_job: bool = False,
+    extra: Sequence[str] = (),
+    timeout: float = 300.0,
+) -> None:
+    """Checkpoint the process tree rooted at ``pid`` into ``images_dir`` (created if missing).
+
+    The tree is killed after the dump unless ``leave_running``. ``tcp_established`` saves
+    established TCP connections (restore with it too); ``tcp_close`` does not save them, and
+    they come back closed. The log is ``images_dir/dump.log``.
+    """
+    criu = _require_criu()
+    images = Path(images_dir).resolve()
+    images.mkdir(parents=True, exist_ok=True)
+    log = images / "dump.log"
+    argv = [criu, "dump", "-t", str(pid), "-D", str(images), "-o", log.name, "-v4"]
+    if leave_running:
+        argv.append("--leave-running")
+    if shell_job:
+        argv.append("--shell-job")
+    argv += _tcp_args(tcp_established, tcp_close)
+    argv += list(extra)
+    what = f"criu dump of PID {pid}"
+    out = _run(argv, log, what, timeout)
+    if out.returncode != 0:
+        missing = not os.path.exists(f"/proc/{pid}")
+        raise _failure(what, out, log, "no process has that PID; " if missing else "")
+
+
+def restore(
+    images_dir: str | os.PathLike[str],
+    *,
+    join_netns: str | None = None,
+    detached: bool = True,
+    tcp_established: bool = False,
+    tcp_close: bool = False,
+    shell_job: bool = False,
+    extra: Sequence[str] = (),
+    timeout: float = 300.0,
+    pid_wait: float = 5.0,
+    inherit_fds: Mapping[int, str] | None = None,
+) -> int:
+    """Restore the tree dumped in ``images_dir``; returns the PID of its root (the dumped one).
+
+    ``join_netns``: a network namespace name (``/run/netns/<name>``) or path to restore into;
+    call this from the namespace the tree was dumped in. ``detached``: the restored tree is
+    handed to init (or the nearest subreaper); otherwise its root becomes a child of this
+    process (``--restore-sibling``), to be reaped with ``os.waitpid``. While one of the PIDs is
+    still taken (it stays so for a moment after a dump), restore is retried for up to
+    ``pid_wait`` seconds. ``inherit_fds`` maps a file descriptor of this process to a
+    resource of the dumped tree (``pipe:[inode]``, ``socket:[inode]``, a path without its
+    leading ``/``): the restored tree gets that descriptor instead (criu's own output is
+    captured, so its stdout cannot stand in). The log is ``images_dir/restore.log``.
+    """
+    criu = _require_criu()
+    images = Path(images_dir).resolve()
+    if not (images / "inventory.img").is_file():
+        raise CriuError(f"no CRIU images in {images} (inventory.img missing)")
+    log = images / "restore.log"
+    pidfile = images / "restore.pid"
+    argv = [criu, "restore", "-D", str(images), "-o", log.name, "-v4", "-d"]
+    argv += ["--pidfile", str(pidfile)]
+    if not detached:
+        argv.append("--restore-sibling")
+    if join_netns is not None:
+        ns = join_netns if "/" in join_netns else f"/run/netns/{join_netns}"
+        if not os.path.exists(ns):
+            raise CriuError(f"network namespace {ns} does not exist")
+        argv += ["--join-ns", f"net:{ns}"]
+    if shell_job:
+        argv.append("--shell-job")
+    argv += _tcp_args(tcp_established, tcp_close)
+    inherit_fds = dict(inherit_fds or {})
+    for fd, resource in inherit_fds.items():
+        argv += ["--inherit-fd", f"fd[{fd}]:{resource}"]
+    argv += list(extra)
+
+    what = f"criu restore from {images}"
+    deadline = time.monotonic() + pid_wait
+    delay = 0.05
+    while True:
+        pidfile.unlink(missing_ok=True)
+        out = _run(argv, log, what, timeout, pass_fds=list(inherit_fds))
+        if out.returncode == 0:
+            break
+        taken = _PID_TAKEN_RE.search(_log_tail(log, 200))
+        if taken is None:
+            raise _failure(what, out, log)
+        if time.monotonic() + delay > deadline:
+            err = _failure(what, out, log)
+            raise CriuError(
+                f"{what}: PID {taken.group(1)} is still taken after {pid_wait:g} s"
+                f"{_pid_hint(int(taken.group(1)))}",
+                log_tail=err.log_tail,
+                returncode=out.returncode,
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise CriuError(f"{what}: criu succeeded but wrote no PID to {pidfile}") from exc
+
+
+def _pid_hint(pid: int) -> str:
+    """Who holds ``pid``: a zombie waits for its parent to reap it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+    fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+    state = fields.get("State", "").strip()
+    ppid = fields.get("PPid", "").strip()
+    if state.startswith("Z"):
+        return f" (a zombie: its parent, PID {ppid}, must reap it before a restore)"
+    return f" (held by a live process, {fields.get('Name', '?').strip()}, parent PID {ppid})"

@@ -1,0 +1,280 @@
+"""The CRIU wrapper against the real criu: a counting process is dumped and restored (same PID,
+also into another network namespace), and failures raise CriuError carrying CRIU's reason."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from xmig.migrate import criu
+from xmig.migrate.criu import CriuError, criu_status, dump, restore
+
+pytestmark = pytest.mark.timeout(120)
+
+USABLE, STATUS = criu_status()
+needs_criu = pytest.mark.skipif(not USABLE, reason=f"CRIU not usable here: {STATUS}")
+
+# counts in a loop; each count replaces the file, so no file stays open across a dump. With
+# "tcp", each count also makes a round trip through a TCP connection held open by the process.
+COUNTER = """
+import os, socket, sys, time
+tcp = "tcp" in sys.argv
+if tcp:
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname())
+    b, _ = srv.accept()
+i = 0
+while True:
+    i += 1
+    if tcp:
+        a.sendall(f"{i}\\n".encode())
+        i = int(b.recv(64).split()[-1])
+    with open("count.tmp", "w") as f:
+        f.write(f"{i} {os.getpid()}\\n")
+    os.replace("count.tmp", "count")
+    time.sleep(0.02)
+"""
+
+
+@dataclass
+class Counter:
+    proc: subprocess.Popen[bytes]
+    file: Path
+    marker: str
+
+    def read(self) -> tuple[int, int]:
+        """(count, PID that wrote it)."""
+        count, pid = self.file.read_text().split()
+        return int(count), int(pid)
+
+    def wait_beyond(self, count: int, timeout: float = 10.0) -> tuple[int, int]:
+        """Wait until the count passes ``count``; the latest (count, PID)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                now = self.read()
+                if now[0] > count:
+                    return now
+            assert time.monotonic() < deadline, f"count stayed at {count} for {timeout} s"
+            time.sleep(0.02)
+
+
+def _kill(pid: int, marker: str, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` if it is still ours (its command line carries ``marker``); reap it."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if marker.encode() not in cmdline:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)  # ours when restored with detached=False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state == "Z":
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def counter(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Counter]:
+    """A counting Python process in a session of its own, std streams on /dev/null
+    (indirect parameter "tcp": counting through a TCP connection)."""
+    marker = f"xmigtest-{secrets.token_hex(4)}"
+    mode = getattr(request, "param", "plain")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", COUNTER, marker, mode],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    c = Counter(proc, tmp_path / "count", marker)
+    try:
+        c.wait_beyond(2)
+        yield c
+    finally:
+        _kill(proc.pid, marker)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A fresh network namespace, deleted afterwards."""
+    if shutil.which("ip") is None:
+        pytest.skip("no 'ip' command (iproute2) to create a network namespace")
+    name = f"xmigtest-{secrets.token_hex(4)}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False, timeout=10)
+
+
+def _dump_and_reap(c: Counter, images: Path) -> tuple[int, float]:
+    """Dump the counter (which kills it), reap it; (last count, seconds the dump took)."""
+    t = time.monotonic()
+    dump(c.proc.pid, images)
+    took = time.monotonic() - t
+    assert c.proc.wait(timeout=10) == -signal.SIGKILL
+    frozen = c.read()[0]
+    time.sleep(0.2)
+    assert c.read()[0] == frozen, "the process still counts after its dump"
+    return frozen, took
+
+
+@needs_criu
+def test_dump_restore_same_pid(counter: Counter, tmp_path: Path, measure) -> None:
+    images = tmp_path / "images"
+    frozen, dump_s = _dump_and_reap(counter, images)
+    assert (images / "inventory.img").is_file()
+
+    t = time.monotonic()
+    pid = restore(images)
+    restore_s = time.monotonic() - t
+    assert pid == counter.proc.pid
+    count, writer = counter.wait_beyond(frozen)
+    assert writer == pid
+    assert counter.wait_beyond(count)[0] > count
+    measure(f"criu dump of a counting Python process: {dump_s:.2f} s, restore {restore_s:.2f} s")
+
+
+@needs_criu
+@pytest.mark.parametrize("counter", ["tcp"], indirect=True)
+def test_established_tcp_connection_survives(counter: Counter, tmp_path: Path, measure) -> None:
+    images = tmp_path / "images"
+    t = time.monotonic()
+    dump(counter.proc.pid, images, tcp_established=True)
+    dump_s = time.monotonic() - t
+    assert counter.proc.wait(timeout=10) == -signal.SIGKILL
+    frozen = counter.read()[0]
+
+    t = time.monotonic()
+    pid = restore(images, tcp_established=True)
+    restore_s = time.monotonic() - t
+    assert pid == counter.proc.pid
+    # the count goes on through the restored connection, from where it stopped
+    count, writer = counter.wait_beyond(frozen)
+    assert writer == pid and count <= frozen + 50
+    assert counter.wait_beyond(count)[0] > count
+    measure(f"criu dump with a TCP connection {dump_s:.2f} s, restore {restore_s:.2f} s")
+
+
+@needs_criu
+def test_restore_into_network_namespace(
+    counter: Counter, netns: str, tmp_path: Path, measure
+) -> None:
+    images = tmp_path / "images"
+    frozen, dump_s = _dump_and_reap(counter, images)
+
+    t = time.monotonic()
+    pid = restore(images, join_netns=netns, detached=False)
+    restore_s = time.monotonic() - t
+    assert pid == counter.proc.pid
+    assert counter.wait_beyond(frozen)[1] == pid
+    ns = os.stat(f"/proc/{pid}/ns/net").st_ino
+    assert ns != os.stat("/proc/self/ns/net").st_ino
+    assert ns == os.stat(f"/run/netns/{netns}").st_ino
+
+    # detached=False: the restored process is this one's child
+    os.kill(pid, signal.SIGKILL)
+    waited, status = os.waitpid(pid, 0)
+    assert waited == pid and os.WIFSIGNALED(status)
+    measure(f"criu dump {dump_s:.2f} s, restore into another network namespace {restore_s:.2f} s")
+
+
+@needs_criu
+def test_restore_waits_for_the_pid(counter: Counter, tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    dump(counter.proc.pid, images)
+    # not reaped yet: the dumped PID is a zombie of this process
+    with pytest.raises(CriuError, match="zombie") as err:
+        restore(images, pid_wait=0.3)
+    print(str(err.value).splitlines()[0])
+    # reaped while restore retries
+    reaper = threading.Timer(0.5, counter.proc.wait)
+    reaper.start()
+    try:
+        pid = restore(images, pid_wait=10)
+    finally:
+        reaper.join(timeout=10)
+    assert pid == counter.proc.pid
+    counter.wait_beyond(counter.read()[0])
+
+
+def _free_pid() -> int:
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(pid_max - 1, 1, -1):
+        if not os.path.exists(f"/proc/{pid}"):
+            return pid
+    raise AssertionError("no free PID")
+
+
+@needs_criu
+def test_dump_of_missing_pid_fails_clearly(tmp_path: Path) -> None:
+    pid = _free_pid()
+    with pytest.raises(CriuError) as err:
+        dump(pid, tmp_path / "images")
+    msg = str(err.value)
+    print(msg.splitlines()[0])
+    assert f"criu dump of PID {pid} failed" in msg
+    assert "no process has that PID" in msg
+    assert str(tmp_path / "images" / "dump.log") in msg
+    assert err.value.log_tail and err.value.returncode
+
+
+@needs_criu
+def test_restore_without_images_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(CriuError, match="no CRIU images"):
+        restore(tmp_path)
+
+
+def test_parse_version() -> None:
+    assert criu.parse_version("Version: 4.2.1\nGitID: v4.2.1\n") == (4, 2, 1)
+    assert criu.parse_version("Version: 4.2\n") == (4, 2)
+    assert criu.parse_version("criu: command not found") is None
+    assert criu.version_ok((4, 2, 1)) and criu.version_ok((5, 0))
+    assert not criu.version_ok((4, 1, 1)) and not criu.version_ok((3, 17, 1))
+    assert not criu.version_ok(None)
+
+
+def test_missing_criu_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(criu.ENV_VAR, "/nonexistent/criu")
+    assert criu.find_criu() is None
+    ok, text = criu_status()
+    assert not ok
+    assert "criu not found" in text and "/nonexistent/criu" in text
+    with pytest.raises(CriuError, match="criu not found"):
+        dump(1, tmp_path)
+
+
+def test_old_criu_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(criu.ENV_VAR, str(fake))
+    ok, text = criu_status()
+    assert not ok
+    assert "CRIU 3.17.1" in text and "need >= 4.2" in text
+    with pytest.raises(CriuError, match="need >= 4.2"):
+        restore(tmp_path)

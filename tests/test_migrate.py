@@ -1,0 +1,121 @@
+"""Live migration on CPU: a rank's process moves to another simulated host with CRIU, keeps
+its PID, and the run ends with the fault-free run's parameters, bit for bit."""
+
+import os
+import time
+
+import pytest
+
+from xmig.migrate import criu_status
+
+from helpers import DEMO, finish_run, run, start_run, xmig
+
+STEPS = 6
+usable, why_not = criu_status()
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="migration needs root (CRIU, namespaces)"),
+    pytest.mark.skipif(not usable, reason=f"CRIU is not usable here: {why_not}"),
+]
+PHASES = ["quiesce", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore", "rejoin"]
+_REFERENCE: dict[int, str] = {}
+
+
+def reference_hash(world, tmp_path_factory):
+    if world not in _REFERENCE:
+        folder = tmp_path_factory.mktemp(f"reference{world}")
+        result = run(["--nproc-per-node", str(world), "--hot-spares", "0", str(DEMO), "--steps",
+                      str(STEPS), "--quiet"], folder)  # fmt: skip
+        assert result.returncode == 0, result.output
+        _REFERENCE[world] = result.summary["final_params_sha256"]
+    return _REFERENCE[world]
+
+
+def check_migrated(summary, rank, source, target, world):
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["faults"] == [] and summary["recoveries"] == []
+    (record,) = summary["migrations"]
+    assert (record["rank"], record["from_node"], record["to_node"]) == (rank, source, target)
+    # the same process, restored by CRIU: one PID for every rank, the moved one included
+    assert all(len(pids) == 1 for pids in summary["worker_pids"].values()), summary["worker_pids"]
+    assert record["pid_kept"] and summary["worker_pids"][str(rank)] == [record["pid"]]
+    assert summary["worker_nodes"][str(rank)] == target
+    # it reported from the target node's network namespace, not the source's
+    assert record["netns"] == summary["agent_netns"][str(target)]
+    assert record["netns"] != summary["agent_netns"][str(source)]
+    assert list(record["phases"]) == PHASES
+    assert 0 < record["downtime_s"] <= record["total_s"] < 60
+    assert record["image_bytes"] > 0
+    assert len(summary["final_params_sha256"]) == 64
+    assert summary["world_size"] == world
+    return record
+
+
+@pytest.mark.parametrize("layout", [("2", "1"), ("1", "3")], ids=["rank1-of-2", "rank1-of-3"])
+def test_injected_migration_is_bit_identical(tmp_path, tmp_path_factory, measure, layout):
+    nnodes, nproc = layout
+    world = int(nnodes) * int(nproc)
+    source, target = (1, 2) if nnodes == "2" else (0, 1)
+    result = run(["--nnodes", nnodes, "--nproc-per-node", nproc, "--spare-nodes", "1",
+                  "--simulate-hosts", "--hot-spares", "0", "--inject", "migrate:rank=1:step=3",
+                  str(DEMO), "--steps", str(STEPS), "--quiet"], tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    record = check_migrated(result.summary, 1, source, target, world)
+    assert record["step"] == 3
+    assert result.summary["final_params_sha256"] == reference_hash(world, tmp_path_factory)
+    phases = " ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
+    measure(f"migrate rank 1 of {world}, node {source} -> {target}: downtime "
+            f"{record['downtime_s']:.2f} s, image {record['image_bytes'] / 1e6:.0f} MB "
+            f"({phases})")  # fmt: skip
+
+
+def _wait_for_step(env, step, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = xmig("status", env=env, timeout=30)
+        if status.returncode == 0 and f"rank 1: step {step}" in status.stdout:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"rank 1 did not reach step {step} within {timeout} s")
+
+
+def test_migrate_command_moves_a_running_rank(tmp_path, tmp_path_factory):
+    env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
+    proc = start_run(["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+                      "--simulate-hosts", "--hot-spares", "0", str(DEMO), "--steps", str(STEPS),
+                      "--quiet", "--step-sleep", "0.5"], tmp_path)  # fmt: skip
+    _wait_for_step(env, 1)
+    moved = xmig("migrate", "--rank", "1", "--to", "2", env=env, timeout=30)
+    assert moved.returncode == 0, moved.stderr
+    assert "moving rank 1 from node 1 to node 2" in moved.stdout
+    result = finish_run(proc, tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    check_migrated(result.summary, 1, 1, 2, 2)
+    assert result.summary["final_params_sha256"] == reference_hash(2, tmp_path_factory)
+
+
+def test_bad_migrations_are_refused_and_the_job_goes_on(tmp_path, tmp_path_factory):
+    env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
+    # no CRIU on the job's nodes (the agents look where XMIG_CRIU points)
+    proc = start_run(["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+                      "--simulate-hosts", "--hot-spares", "0", str(DEMO), "--steps", str(STEPS),
+                      "--quiet", "--step-sleep", "0.5"], tmp_path,
+                     env={"XMIG_CRIU": "/nonexistent/criu"})  # fmt: skip
+    _wait_for_step(env, 1)
+    cases = [
+        (["--rank", "7", "--to", "2"], "rank 7 does not exist"),
+        (["--rank", "1", "--to", "9"], "node 9 does not exist"),
+        (["--rank", "1", "--to", "1"], "rank 1 is already on node 1"),
+        (["--rank", "1", "--to", "2"], "CRIU is not usable on node 1"),
+    ]
+    for args, expected in cases:
+        refused = xmig("migrate", *args, env=env, timeout=30)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("xmig: error: migration refused: ")
+        assert expected in lines[0]
+    result = finish_run(proc, tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["migrations"] == [] and summary["faults"] == []
+    assert all(len(pids) == 1 for pids in summary["worker_pids"].values())
+    assert summary["final_params_sha256"] == reference_hash(2, tmp_path_factory)
