@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from recovery_cpu import DEMO, bounded, free_port, machine, paired
+from recovery_cpu import DEMO, bounded, free_port, machine, paired, write_report
 
 MODEL = ["--preset", "gpt350m", "--batch-size", "8"]
 STEPS = 12
@@ -108,9 +108,7 @@ def main() -> int:
         f"done ahead) | {', '.join(f'{c:.2f}' for c in cold)} s |",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines, echo=True)
     return 0
 
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery_cpu import REPO, machine, xmig_summary
+from recovery_cpu import REPO, machine, write_report, xmig_summary
 
 from xmig.migrate import criu_status
 
@@ -88,9 +88,7 @@ def main() -> int:
         "GPU figures here.",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_report(args.out, lines)
     return 0
 
 

@@ -98,6 +98,13 @@ def xmig_summary(
     return json.loads(summary.read_text())
 
 
+def write_report(path: Path, lines: list[str], echo: bool = False) -> None:
+    """Write a results file (Markdown lines); print it, or where it went."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    print("\n".join(lines) if echo else f"wrote {path}")
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -225,9 +232,7 @@ def main() -> int:
         "the replacement recomputes the step up to the parked collective.",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_report(args.out, lines)
     return 0
 
 

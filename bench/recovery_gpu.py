@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from baselines import step_events, time_to_step, torchrun_restart
 from gpu_h200x1 import MODEL
-from recovery_cpu import machine, paired, xmig_summary
+from recovery_cpu import machine, paired, write_report, xmig_summary
 
 STEPS = 14
 FAULT_STEP = 10
@@ -171,9 +171,7 @@ def main() -> int:
         f"{'yes' if all(same for *_x, same in results) else 'no'} |",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines, echo=True)
     return 0
 
 

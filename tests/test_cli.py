@@ -70,3 +70,27 @@ def test_version_and_help():
     assert xmig("--version").stdout.startswith("xmig ")
     proc = xmig("run", "--help")
     assert proc.returncode == 0 and "--nproc-per-node" in proc.stdout and "--inject" in proc.stdout
+
+
+def test_migrate_without_a_job(tmp_path):
+    _one_line_error(
+        xmig("migrate", "--rank", "1", env={"XMIG_JOBS_DIR": str(tmp_path)}), "no running xmig job"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("migrate:rank=1:step=2:to=5", "node 5 does not exist"),
+        ("kill:rank=1:step=2:to=1", "to= applies only to migrate"),
+        ("migrate:rank=1:step=2:at=forward", "at a step boundary"),
+    ],
+)
+def test_bad_migrate_injections(spec, needle):
+    _one_line_error(
+        xmig("run", "--nnodes", "2", "--spare-nodes", "1", "--inject", spec, str(DEMO)), needle
+    )
+
+
+def test_spare_nodes_must_not_be_negative():
+    _one_line_error(xmig("run", "--spare-nodes", "-1", str(DEMO)), "--spare-nodes")

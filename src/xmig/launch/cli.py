@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import click
 import typer
@@ -201,6 +201,19 @@ def _connect(job: str | None, coord: str | None, token: str | None) -> Client:
         raise click.UsageError(str(exc)) from None
 
 
+def _request(
+    job: str | None, coord: str | None, token: str | None, refused: str, op: str, **fields: Any
+) -> dict[str, Any]:
+    """One request to a running job's coordinator; its refusal is the user's error."""
+    client = _connect(job, coord, token)
+    try:
+        return client.call(op, timeout=10.0, **fields)
+    except RemoteError as exc:
+        raise click.UsageError(f"{refused}: {exc}") from None
+    finally:
+        client.close()
+
+
 JobOpt = Annotated[str | None, typer.Option(help="Job id (default: the only running job).")]
 CoordOpt = Annotated[
     str | None, typer.Option(help="Coordinator address host:port (instead of --job).")
@@ -218,13 +231,7 @@ def inject_cmd(
     token: TokenOpt = None,
 ) -> None:
     """Inject a fault into a running job."""
-    client = _connect(job, coord, token)
-    try:
-        reply = client.call("inject", spec=spec, timeout=10.0)
-    except RemoteError as exc:
-        raise click.UsageError(f"fault refused: {exc}") from None
-    finally:
-        client.close()
+    reply = _request(job, coord, token, "fault refused", "inject", spec=spec)
     print(f"xmig: fault {reply['fault']} queued")
 
 
@@ -240,13 +247,7 @@ def migrate_cmd(
 ) -> None:
     """Move a rank's process to another node at the next step boundary (CRIU): it keeps
     its PID and its state; the other ranks only pause."""
-    client = _connect(job, coord, token)
-    try:
-        reply = client.call("migrate", rank=rank, to=to, timeout=10.0)
-    except RemoteError as exc:
-        raise click.UsageError(f"migration refused: {exc}") from None
-    finally:
-        client.close()
+    reply = _request(job, coord, token, "migration refused", "migrate", rank=rank, to=to)
     print(f"xmig: {reply['migration']}")
 
 
@@ -259,11 +260,7 @@ def doctor_cmd() -> None:
 @app.command("status")
 def status_cmd(job: JobOpt = None, coord: CoordOpt = None, token: TokenOpt = None) -> None:
     """Show a running job's state."""
-    client = _connect(job, coord, token)
-    try:
-        status = client.call("status", timeout=10.0)["status"]
-    finally:
-        client.close()
+    status = _request(job, coord, token, "status refused", "status")["status"]
     progress = ", ".join(f"rank {r}: step {s}" for r, s in status["progress"].items())
     print(
         f"job {status['job_id']}: {status['status']}, generation {status['generation']}, "
