@@ -84,8 +84,7 @@ def main() -> int:
         "",
         "Transfer is 0: the images are written to a directory both agents read (one machine, "
         "or `XMIG_MIGRATE_DIR` on a shared file system); streaming them between agents is not "
-        "built. GPU processes are not migrated yet (no CUDA checkpoint step), so there are no "
-        "GPU figures here.",
+        "built.",
         "",
     ]
     write_report(args.out, lines)

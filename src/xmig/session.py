@@ -568,6 +568,10 @@ class Session:
         coordinator resumes the job on a new generation's communicator."""
         assert self.link is not None
         generation = int(plan["generation"])
+        if self.backend == "nccl":
+            # the communicator is replaced on resume; aborting it now frees the peers' mappings
+            # of each other's GPU memory, which a GPU checkpoint of a moving rank needs
+            self.proxy.abort_communicator(wait=True)
         self.link.report("paused", generation=generation, step=step)
         while True:
             order = self._next_pause_order()
@@ -602,7 +606,11 @@ class Session:
         # before the agent hears of it: its dump may come at once. The restorer becomes the
         # parent for a moment, then exits
         outlive_parent()
-        self.link.ready_for_dump()
+        gpu = None
+        if self.backend == "nccl":
+            torch.cuda.synchronize(self.device)
+            gpu = str(torch.cuda.get_device_properties(self.device).uuid)
+        self.link.ready_for_dump(gpu)
         self.link.close()
         deadline = time.monotonic() + self.env.recovery_timeout
         while not os.path.exists(rejoin):  # the process is frozen and moved meanwhile

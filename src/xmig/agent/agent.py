@@ -21,7 +21,7 @@ from typing import Any
 from xmig.agent.spare import READY_FD as SPARE_READY_FD
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
-from xmig.migrate import criu
+from xmig.migrate import criu, cuda
 from xmig.procs import die_with_parent
 from xmig.wire import Client, Peer, Server, WireError, format_address
 
@@ -41,6 +41,7 @@ class Worker:
     last_beat_wall: float | None = None
     step: int | None = None
     announced: dict[str, Any] | None = None  # the injected fault it said it is carrying out
+    gpu: str | None = None  # the UUID of the GPU it holds state on, when it is moving
 
     @property
     def pid(self) -> int:
@@ -193,6 +194,7 @@ class Agent:
                 self._post("worker_error", (rank, worker.pid, msg, wall))
             elif op == "ready_for_dump":
                 worker.state = "migrating"  # its link closes next; that is not a fault
+                worker.gpu = msg.get("gpu")
                 self._post("dump_now", rank)
             elif op == "done":
                 worker.state = "done"
@@ -268,18 +270,22 @@ class Agent:
         for fd in (1, 2):  # pipes shared with the launcher: the target hands its own on
             with contextlib.suppress(OSError):
                 fds[str(fd)] = os.readlink(f"/proc/{worker.pid}/fd/{fd}")
-        started = time.monotonic()
         generation = order["generation"]
+        gpu_s = 0.0
         try:
+            if worker.gpu is not None:  # its GPU memory goes into its host memory first
+                gpu_s = cuda.GpuCheckpoint(worker.pid).save()
+            started = time.monotonic()
             criu.dump(worker.pid, order["images"], tcp_close=True)
-        except criu.CriuError as exc:
+        except (criu.CriuError, cuda.GpuCheckpointError) as exc:
             self._post("dumped", (rank, {"ok": False, "error": str(exc),
                                          "generation": generation}))  # fmt: skip
             return
         took = time.monotonic() - started
         size = sum(f.stat().st_size for f in Path(order["images"]).iterdir() if f.is_file())
         self._post("dumped", (rank, {"ok": True, "dump_s": took, "image_bytes": size,
-                                     "fds": fds, "generation": generation}))  # fmt: skip
+                                     "fds": fds, "generation": generation, "gpu": worker.gpu,
+                                     "gpu_checkpoint_s": gpu_s}))  # fmt: skip
 
     def _dumped(self, rank: int, result: dict[str, Any]) -> None:
         worker = self.workers[rank]
@@ -306,23 +312,27 @@ class Agent:
         # the worker's output goes where this agent's goes (duplicates handed to criu)
         inherit = {os.dup(fd): res for fd, res in stdio_resources(order.get("fds", {})).items()}
         started = time.monotonic()
+        gpu_s = 0.0
         try:
             criu.restore(order["images"], tcp_close=True, inherit_fds=inherit)
-        except criu.CriuError as exc:
-            for fd in inherit:
-                os.close(fd)
+            took = time.monotonic() - started
+            if order.get("gpu") is not None:  # onto this node's GPU for its local rank
+                target = cuda.device_uuid(int(order["local_rank"]))
+                gpu_s = cuda.GpuCheckpoint(pid).load({order["gpu"]: target})
+        except (criu.CriuError, cuda.GpuCheckpointError) as exc:
             with self._lock:
                 del self.workers[rank]
             self._notify("restored", rank=rank, node=self.node_rank, ok=False, error=str(exc),
                          generation=order["generation"])  # fmt: skip
             return
-        took = time.monotonic() - started
-        for fd in inherit:
-            os.close(fd)
+        finally:
+            for fd in inherit:
+                os.close(fd)
         worker.pidfd = os.pidfd_open(pid)
         self._selector.register(worker.pidfd, selectors.EVENT_READ, rank)
         self._notify("restored", rank=rank, node=self.node_rank, ok=True, pid=pid,
-                     restore_s=took, generation=order["generation"])  # fmt: skip
+                     restore_s=took, gpu_restore_s=gpu_s,
+                     generation=order["generation"])  # fmt: skip
         shutil.rmtree(order["images"], ignore_errors=True)  # the worker removes the rejoin file
 
     def _lose_node(self, fault: dict[str, Any], t: float) -> None:

@@ -108,10 +108,11 @@ class AgentLink:
         except WireError:
             self._on_lost()
 
-    def ready_for_dump(self) -> None:
-        """Tell the agent this process is quiet and may be checkpointed; returns once it knows
-        (the worker closes this link next: its end is not a fault)."""
-        self._client.call("ready_for_dump", t=time.time(), timeout=10.0)
+    def ready_for_dump(self, gpu: str | None) -> None:
+        """Tell the agent this process is quiet and may be checkpointed (``gpu``: the UUID of
+        the GPU it holds state on); returns once it knows (the worker closes this link next:
+        its end is not a fault)."""
+        self._client.call("ready_for_dump", gpu=gpu, t=time.time(), timeout=10.0)
 
     def report_done(self, steps: int, params_sha256: str | None) -> None:
         """Report that the training loop finished ``steps`` steps."""

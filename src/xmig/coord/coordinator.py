@@ -588,17 +588,19 @@ class Coordinator:
                 return
             m.times["dumped"] = now
             m.dump_s, m.image_bytes = float(data["dump_s"]), int(data["image_bytes"])
+            m.gpu_checkpoint_s, m.gpu = float(data.get("gpu_checkpoint_s", 0.0)), data.get("gpu")
             member = self.members[m.rank]
             self.agents[m.target].push(m.order(
                 "restore", rank=m.rank, pid=m.pid, images=m.images, rejoin_file=m.rejoin_file,
                 local_rank=m.rank % self.spec.nproc_per_node, attempt=member["attempt"],
-                fds=data.get("fds", {})))  # fmt: skip
+                fds=data.get("fds", {}), gpu=m.gpu))  # fmt: skip
         elif kind == "restored":
             if not data.get("ok"):
                 self._abort_migration(f"restoring rank {m.rank} failed: {data.get('error')}")
                 return
             m.times["restored"] = now
             m.restore_s, m.restored_pid = float(data["restore_s"]), int(data["pid"])
+            m.gpu_restore_s = float(data.get("gpu_restore_s", 0.0))
             self.members[m.rank]["node"] = m.target
         elif kind == "rejoined" and rank == m.rank:
             m.netns = data.get("netns")

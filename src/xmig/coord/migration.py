@@ -46,6 +46,9 @@ class Migration:
     image_bytes: int = 0
     restored_pid: int | None = None
     netns: int | None = None  # the network namespace the moved process reported from
+    gpu: str | None = None  # the UUID of the GPU it held state on
+    gpu_checkpoint_s: float = 0.0
+    gpu_restore_s: float = 0.0
 
     @property
     def rejoin_file(self) -> str:
@@ -60,13 +63,14 @@ class Migration:
         quiesced = t.get("quiesced", self.started)
         dumped = t.get("dumped", quiesced)
         restored = t.get("restored", dumped)
+        # the agents time the GPU and CRIU steps; the rest is the time between the reports
         phases = {
             "quiesce": quiesced - self.started,
-            "gpu_checkpoint": 0.0,  # CPU processes have no GPU state to save
-            "dump": dumped - quiesced,
+            "gpu_checkpoint": self.gpu_checkpoint_s,
+            "dump": dumped - quiesced - self.gpu_checkpoint_s,
             "transfer": 0.0,  # the images are written where the target reads them
-            "restore": restored - dumped,
-            "gpu_restore": 0.0,
+            "restore": restored - dumped - self.gpu_restore_s,
+            "gpu_restore": self.gpu_restore_s,
             "rejoin": end - restored,
         }
         return {
@@ -84,6 +88,7 @@ class Migration:
             "criu_dump_s": round(self.dump_s, 4),
             "criu_restore_s": round(self.restore_s, 4),
             "image_bytes": self.image_bytes,
+            "gpu": self.gpu,
             "downtime_s": round(end - quiesced, 4),
             "total_s": round(end - self.started, 4),
         }

@@ -44,6 +44,12 @@ def _ip(*args: str) -> str:
     return done.stdout
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine, from the driver's /proc entries (no CUDA needed)."""
+    folder = Path("/proc/driver/nvidia/gpus")
+    return len(list(folder.iterdir())) if folder.is_dir() else 0
+
+
 def check_can_simulate() -> None:
     """Raise HostSetupError saying why simulated hosts are impossible here, if they are."""
     if os.geteuid() != 0:
@@ -76,6 +82,7 @@ class SimulatedHosts:
 
     job_id: str
     count: int
+    gpus_per_node: int = 1
     subnet: ipaddress.IPv4Network | None = None
     created: list[str] = field(default_factory=list)  # namespaces, to remove
     bridge: str = ""
@@ -140,10 +147,18 @@ class SimulatedHosts:
 
         return enter_namespace
 
-    def environment(self) -> dict[str, str]:
-        """What a process in a node's namespace needs: the interface its communication
-        libraries must use (gloo and NCCL would otherwise pick by host name)."""
-        return {"GLOO_SOCKET_IFNAME": INNER_IFNAME, "NCCL_SOCKET_IFNAME": INNER_IFNAME}
+    def environment(self, node: int) -> dict[str, str]:
+        """What a process in node ``node``'s namespace needs: the interface its communication
+        libraries must use (gloo and NCCL would otherwise pick by host name) and, on a GPU
+        machine, the GPUs of that node (in turn, ``gpus_per_node`` each), unless the user
+        chose them."""
+        env = {"GLOO_SOCKET_IFNAME": INNER_IFNAME, "NCCL_SOCKET_IFNAME": INNER_IFNAME}
+        gpus = gpu_count()
+        if gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            first = node * self.gpus_per_node
+            visible = [str((first + i) % gpus) for i in range(self.gpus_per_node)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+        return env
 
     def remove(self) -> None:
         """Delete the namespaces (their veth pairs go with them) and the bridge."""

@@ -132,7 +132,7 @@ class Launcher:
             env = self._env()
             enter = None
             if self.hosts is not None:
-                env.update(self.hosts.environment())
+                env.update(self.hosts.environment(node))
                 enter = self.hosts.enter(node)
 
             def prepare(enter: Any = enter) -> None:
@@ -156,7 +156,9 @@ class Launcher:
         if not self.spec.simulate_hosts:
             return
         try:
-            self.hosts = SimulatedHosts(self.spec.job_id, self.spec.all_nodes).create()
+            self.hosts = SimulatedHosts(
+                self.spec.job_id, self.spec.all_nodes, gpus_per_node=self.spec.nproc_per_node
+            ).create()
         except HostSetupError as exc:
             raise LaunchError(str(exc)) from None
         self.spec.master_addr = self.hosts.bridge_address

@@ -1,10 +1,12 @@
-"""Moving a rank's process to another node: the CRIU wrapper the agents use.
+"""Moving a rank's process to another node: the CRIU wrapper and the CUDA checkpoint API
+wrapper the agents use.
 
-The protocol itself (pause every rank at a step boundary, checkpoint the moving rank on its
-node, restore it on the target node, rejoin on a new generation's communicator) is driven by
-the coordinator (``xmig.coord.migration``), carried out by the agents and, on the worker side,
-by ``xmig.session``. Processes holding GPU state (the CUDA driver's checkpoint API) are not
-moved yet.
+The protocol (pause every rank at a step boundary, checkpoint the moving rank on its node,
+restore it on the target node, rejoin on a new generation's communicator) is driven by the
+coordinator (``xmig.coord.migration``), carried out by the agents and, on the worker side, by
+``xmig.session``. A process with GPU state has its GPU memory checkpointed into host memory
+before the dump and restored (onto the target node's GPU) after the restore; that path has
+CPU tests against a stand-in driver and has not yet run on a GPU.
 """
 
 from xmig.migrate.criu import CriuError, criu_status, dump, find_criu, restore

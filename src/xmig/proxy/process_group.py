@@ -255,13 +255,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 record.done_event.set()  # wakes the waiter if it waits on this op
             self._cv.notify_all()
 
-    def abort_communicator(self) -> None:
+    def abort_communicator(self, wait: bool = False) -> None:
         """Abort the current communicator so ops stuck in it return (NCCL); gloo ops cannot
         be aborted and are abandoned instead (they end at their timeout).
 
         NCCL's abort releases the kernels in flight within milliseconds but takes ~0.5 s to
         return (measured on H200), so it runs on a thread of its own and nothing waits for
-        it: the communicator is never used again."""
+        it (unless ``wait``): the communicator is never used again."""
         backend = self.communicator.backend
         if self.communicator.kind != "nccl" or not hasattr(backend, "abort"):
             return
@@ -270,7 +270,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
             with contextlib.suppress(Exception):  # an already broken communicator
                 backend.abort()
 
-        threading.Thread(target=abort, name="xmig-abort", daemon=True).start()
+        if wait:
+            abort()
+        else:
+            threading.Thread(target=abort, name="xmig-abort", daemon=True).start()
 
     def pending(self) -> list[OpRecord]:
         with self._cv:
