@@ -60,8 +60,9 @@ def main() -> int:
         "The demo GPT on 2 simulated hosts (a network namespace each) plus a spare one; rank 1 "
         "moves to the spare node at the start of step 3: every rank pauses at that boundary, "
         "rank 1 closes its agent connection, its agent checkpoints it with `criu dump "
-        "--tcp-close`, the spare node's agent restores it (same PID, its own network "
-        "namespace) and adopts it, it reconnects, and every rank resumes on a new "
+        "--tcp-close`, the spare node's agent fetches the images and restores it (same PID, "
+        "its own network namespace) and adopts it, it reconnects, and every rank resumes on a "
+        "new "
         "communicator. No state pull and no replay. Seconds; downtime is from every rank "
         "paused to every rank resumed.",
         "",
@@ -82,9 +83,9 @@ def main() -> int:
         )
     lines += [
         "",
-        "Transfer is 0: the images are written to a directory both agents read (one machine, "
-        "or `XMIG_MIGRATE_DIR` on a shared file system); streaming them between agents is not "
-        "built.",
+        "Transfer: the target node's agent fetches the images from the source node's agent "
+        "over TCP (the job's token, `sendfile`), between the two network namespaces; with "
+        "`XMIG_MIGRATE_DIR` set (a directory both read) it is 0.",
         "",
     ]
     write_report(args.out, lines)

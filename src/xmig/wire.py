@@ -104,7 +104,8 @@ class Connection:
         self.sock.close()
 
 
-def _server_handshake(conn: Connection, token: str) -> Message:
+def server_handshake(conn: Connection, token: str) -> Message:
+    """The server's half of the mutual challenge; returns the client's info."""
     nonce = os.urandom(16).hex()
     conn.send({"hello": PROTOCOL, "nonce": nonce})
     answer = conn.recv()
@@ -115,7 +116,8 @@ def _server_handshake(conn: Connection, token: str) -> Message:
     return answer.get("info") or {}
 
 
-def _client_handshake(conn: Connection, token: str, info: Message) -> None:
+def client_handshake(conn: Connection, token: str, info: Message) -> None:
+    """The client's half of the mutual challenge (raises AuthError on a wrong token)."""
     hello = conn.recv()
     if hello.get("hello") != PROTOCOL:
         raise WireError(f"peer does not speak {PROTOCOL}")
@@ -199,7 +201,7 @@ class Server:
         conn = Connection(sock)
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            info = _server_handshake(conn, self._token)
+            info = server_handshake(conn, self._token)
             sock.settimeout(None)
         except (WireError, OSError, KeyError, TypeError):
             conn.close()
@@ -242,7 +244,7 @@ class Client:
         except OSError as exc:
             raise WireError(f"cannot reach {address[0]}:{address[1]}: {exc}") from exc
         self.conn = Connection(sock)
-        _client_handshake(self.conn, token, info or {})
+        client_handshake(self.conn, token, info or {})
         sock.settimeout(None)
         self._on_push = on_push
         self._on_close = on_close

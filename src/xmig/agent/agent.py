@@ -21,7 +21,7 @@ from typing import Any
 from xmig.agent.spare import READY_FD as SPARE_READY_FD
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
-from xmig.migrate import criu, cuda
+from xmig.migrate import criu, cuda, stream
 from xmig.procs import die_with_parent
 from xmig.wire import Client, Peer, Server, WireError, format_address
 
@@ -283,9 +283,26 @@ class Agent:
             return
         took = time.monotonic() - started
         size = sum(f.stat().st_size for f in Path(order["images"]).iterdir() if f.is_file())
-        self._post("dumped", (rank, {"ok": True, "dump_s": took, "image_bytes": size,
-                                     "fds": fds, "generation": generation, "gpu": worker.gpu,
-                                     "gpu_checkpoint_s": gpu_s}))  # fmt: skip
+        result = {"ok": True, "dump_s": took, "image_bytes": size, "fds": fds,
+                  "generation": generation, "gpu": worker.gpu,
+                  "gpu_checkpoint_s": gpu_s}  # fmt: skip
+        if order.get("serve"):
+            result["serve"] = self._serve_images(order["images"])
+        self._post("dumped", (rank, result))
+
+    def _serve_images(self, folder: str) -> list[Any]:
+        """Offer the images to the target node's agent (once); remove them when sent."""
+        assert self.coord is not None
+        host = self.coord.conn.sock.getsockname()[0]  # this node's address, as others see it
+        limit = float(self.job.get("recovery_timeout", 120.0))
+        server = stream.ImageServer(folder, self.token, host, timeout=limit)
+
+        def clean_up() -> None:
+            server.sent.wait()
+            shutil.rmtree(folder, ignore_errors=True)
+
+        threading.Thread(target=clean_up, name="xmig-images-cleanup", daemon=True).start()
+        return list(server.address)
 
     def _dumped(self, rank: int, result: dict[str, Any]) -> None:
         worker = self.workers[rank]
@@ -299,6 +316,16 @@ class Agent:
         """Bring a migrated worker back in this node (its network namespace) and adopt it."""
         rank, pid = int(order["rank"]), int(order["pid"])
         rejoin = Path(order["rejoin_file"])
+        transfer_s = 0.0
+        if order.get("fetch"):
+            try:
+                limit = float(self.job.get("recovery_timeout", 120.0))
+                _, transfer_s = stream.fetch_images(tuple(order["fetch"]), self.token,
+                                                    order["images"], limit)  # fmt: skip
+            except stream.StreamError as exc:
+                self._notify("restored", rank=rank, node=self.node_rank, ok=False,
+                             error=str(exc), generation=order["generation"])  # fmt: skip
+                return
         assert self.server is not None
         partial = rejoin.with_suffix(".partial")
         where = {"agent_addr": format_address(self.server.address), "node": self.node_rank,
@@ -331,7 +358,7 @@ class Agent:
         worker.pidfd = os.pidfd_open(pid)
         self._selector.register(worker.pidfd, selectors.EVENT_READ, rank)
         self._notify("restored", rank=rank, node=self.node_rank, ok=True, pid=pid,
-                     restore_s=took, gpu_restore_s=gpu_s,
+                     restore_s=took, gpu_restore_s=gpu_s, transfer_s=transfer_s,
                      generation=order["generation"])  # fmt: skip
         shutil.rmtree(order["images"], ignore_errors=True)  # the worker removes the rejoin file
 

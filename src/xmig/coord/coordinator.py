@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from xmig.coord.job import JobSpec, describe_fault
-from xmig.coord.migration import Migration, describe_migration, images_root
+from xmig.coord.migration import Migration, describe_migration, images_dir, shared_images
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
 from xmig.faults.spec import FaultSpecError, parse_fault
 from xmig.wire import Peer, Server, format_address
@@ -533,9 +533,13 @@ class Coordinator:
         self.generation += 1
         member = self.members[rank]
         step = max(self.progress.values()) + 1  # a boundary no rank has passed yet
-        images = images_root(self.spec.job_id) / f"rank{rank}-g{self.generation}"
-        self.migration = Migration(self.generation, rank, int(member["pid"]),
-                                   int(member["node"]), target, step, str(images), why)  # fmt: skip
+        name = f"rank{rank}-g{self.generation}"
+        source = int(member["node"])
+        self.migration = Migration(
+            self.generation, rank, int(member["pid"]), source, target, step,
+            images_dir(self.spec.job_id, source, name), images_dir(self.spec.job_id, target, name),
+            why,
+        )  # fmt: skip
         self.status = "migrating"
         self.recovery_deadline = time.monotonic() + self.spec.recovery_timeout
         self._push_all(self.migration.order("pause", step=step))
@@ -580,8 +584,11 @@ class Coordinator:
             m.paused[rank] = m.step
             if len(m.paused) == self.spec.world_size:
                 m.times["quiesced"] = now
+                # the moving worker reads where to reconnect from the rejoin file once it
+                # runs on the target node
                 self.agents[m.source].push(m.order("dump", rank=m.rank, images=m.images,
-                                                   rejoin_file=m.rejoin_file))  # fmt: skip
+                                                   rejoin_file=m.rejoin_file,
+                                                   serve=not shared_images()))  # fmt: skip
         elif kind == "dumped":
             if not data.get("ok"):
                 self._abort_migration(f"checkpointing rank {m.rank} failed: {data.get('error')}")
@@ -591,7 +598,8 @@ class Coordinator:
             m.gpu_checkpoint_s, m.gpu = float(data.get("gpu_checkpoint_s", 0.0)), data.get("gpu")
             member = self.members[m.rank]
             self.agents[m.target].push(m.order(
-                "restore", rank=m.rank, pid=m.pid, images=m.images, rejoin_file=m.rejoin_file,
+                "restore", rank=m.rank, pid=m.pid, images=m.target_images,
+                rejoin_file=m.rejoin_file, fetch=data.get("serve"),
                 local_rank=m.rank % self.spec.nproc_per_node, attempt=member["attempt"],
                 fds=data.get("fds", {}), gpu=m.gpu))  # fmt: skip
         elif kind == "restored":
@@ -601,6 +609,7 @@ class Coordinator:
             m.times["restored"] = now
             m.restore_s, m.restored_pid = float(data["restore_s"]), int(data["pid"])
             m.gpu_restore_s = float(data.get("gpu_restore_s", 0.0))
+            m.transfer_s = float(data.get("transfer_s", 0.0))
             self.members[m.rank]["node"] = m.target
         elif kind == "rejoined" and rank == m.rank:
             m.netns = data.get("netns")

@@ -18,11 +18,25 @@ from typing import Any
 PHASES = ("quiesce", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore", "rejoin")
 
 
-def images_root(job_id: str) -> Path:
-    """Where checkpoint images travel between agents: a directory both can read (one machine,
-    or a shared file system named by ``XMIG_MIGRATE_DIR``)."""
-    base = Path(os.environ.get("XMIG_MIGRATE_DIR", tempfile.gettempdir()))
-    return base / "xmig-migrate" / job_id
+def shared_images() -> bool:
+    """Whether a directory every node reads is configured (``XMIG_MIGRATE_DIR``); otherwise
+    the target node's agent fetches the images from the source node's agent."""
+    return "XMIG_MIGRATE_DIR" in os.environ
+
+
+def job_images(job_id: str) -> list[Path]:
+    """The folders a job's migrations may have left on this machine."""
+    roots = [Path(tempfile.gettempdir())]
+    if shared_images():
+        roots.append(Path(os.environ["XMIG_MIGRATE_DIR"]))
+    return [root / "xmig-migrate" / job_id for root in roots]
+
+
+def images_dir(job_id: str, node: int, name: str) -> str:
+    """Where a node keeps checkpoint images: the shared directory, or its own temp dir."""
+    if shared_images():
+        return str(Path(os.environ["XMIG_MIGRATE_DIR"]) / "xmig-migrate" / job_id / name)
+    return str(Path(tempfile.gettempdir()) / "xmig-migrate" / job_id / f"node{node}" / name)
 
 
 @dataclass
@@ -35,7 +49,8 @@ class Migration:
     source: int
     target: int
     step: int  # the boundary every rank pauses at
-    images: str
+    images: str  # where the source node writes them
+    target_images: str  # where the target node reads them (the same when shared)
     why: str  # "request" or the injected spec
     started: float = field(default_factory=time.time)
     paused: dict[int, int] = field(default_factory=dict)
@@ -43,6 +58,7 @@ class Migration:
     times: dict[str, float] = field(default_factory=dict)  # event -> wall clock
     dump_s: float = 0.0
     restore_s: float = 0.0
+    transfer_s: float = 0.0
     image_bytes: int = 0
     restored_pid: int | None = None
     netns: int | None = None  # the network namespace the moved process reported from
@@ -52,7 +68,7 @@ class Migration:
 
     @property
     def rejoin_file(self) -> str:
-        return f"{self.images}.rejoin.json"
+        return f"{self.target_images}.rejoin.json"
 
     def order(self, op: str, **fields: Any) -> dict[str, Any]:
         return {"op": op, "generation": self.generation, **fields}
@@ -68,8 +84,8 @@ class Migration:
             "quiesce": quiesced - self.started,
             "gpu_checkpoint": self.gpu_checkpoint_s,
             "dump": dumped - quiesced - self.gpu_checkpoint_s,
-            "transfer": 0.0,  # the images are written where the target reads them
-            "restore": restored - dumped - self.gpu_restore_s,
+            "transfer": self.transfer_s,  # 0 with a shared directory
+            "restore": restored - dumped - self.gpu_restore_s - self.transfer_s,
             "gpu_restore": self.gpu_restore_s,
             "rejoin": end - restored,
         }

@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from xmig.coord.job import JobSpec
+from xmig.coord.migration import job_images
 from xmig.jobenv import JOB_ID, TOKEN
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
@@ -300,3 +302,5 @@ class Launcher:
             self.job_file.unlink(missing_ok=True)
         if self.hosts is not None:
             self.hosts.remove()
+        for folder in job_images(self.spec.job_id):  # what migrations left behind
+            shutil.rmtree(folder, ignore_errors=True)
