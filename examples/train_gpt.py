@@ -248,6 +248,10 @@ class PlainSession:
         if self.rank == 0:
             model = self.objects["model"]
             print(f"final params sha256 {params_sha256(model.module)}", flush=True)
+        # a clean end: torchrun counts a rank that aborts at exit (gloo's threads torn down
+        # by the interpreter) as failed
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 class Checkpoint:
