@@ -38,7 +38,9 @@ def _job_file(tmp_path):
 def _pid_files(tmp_path, n):
     def found():
         files = sorted(tmp_path.glob("pid-*"))
-        return [int(f.read_text()) for f in files] if len(files) == n else None
+        texts = [f.read_text() for f in files]
+        # a file is created before its PID is written: both must be there
+        return [int(t) for t in texts] if len(texts) == n and all(texts) else None
 
     return _wait_for(found, 60, "the workers' pid files")
 
