@@ -489,11 +489,15 @@ class Coordinator:
                 log(describe_recovery(record))
 
     def _abort_recovery(self, reason: str) -> None:
-        for agent in self.agents.values():
-            agent.push({"op": "abort", "reason": reason})
-        self.recovery = None
+        self._give_up("recovery impossible", reason)
+
+    def _give_up(self, what: str, reason: str) -> None:
+        """End a recovery or migration that cannot finish: every worker is told, the job
+        stops with ``reason``."""
+        self._push_all({"op": "abort", "reason": reason})
+        self.recovery = self.migration = None
         self.reason = reason
-        log(f"recovery impossible: {reason}")
+        log(f"{what}: {reason}")
         self._stop_job("fault")
 
     # ---- migration ---------------------------------------------------------------------------
@@ -567,10 +571,10 @@ class Coordinator:
             return
         if kind == "done_during_migration":
             if not m.paused:
+                # the pause step lies past the last one: no rank will ever reach it
                 log(f"migration of rank {m.rank} not done: the job finished first")
                 self.migration = None
                 self.status = "running"
-                self._push_all(m.order("pause", step=-1))  # nobody pauses any more
             return
         if int(data.get("generation", -1)) != m.generation:
             return
@@ -625,11 +629,7 @@ class Coordinator:
                 log(describe_migration(record))
 
     def _abort_migration(self, reason: str) -> None:
-        self._push_all({"op": "abort", "reason": reason})
-        self.migration = None
-        self.reason = reason
-        log(f"migration failed: {reason}")
-        self._stop_job("fault")
+        self._give_up("migration failed", reason)
 
     def _check_recovery_deadline(self) -> None:
         if self.migration is not None and time.monotonic() > self.recovery_deadline:
