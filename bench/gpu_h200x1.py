@@ -101,7 +101,7 @@ def main() -> int:
         f"| steady state, paired ABBA: plain DDP | {ms['plain']:.1f} ms/step |",
         f"| steady state, paired ABBA: through xmig | {ms['xmig']:.1f} ms/step |",
         f"| ratio (median of pair ratios) | **{overhead['paired_ratio_median']:.4f}** |",
-        f"| replay log: host time to issue its device-to-device copies (on a side stream) | "
+        f"| replay log: host time to issue its device-to-device copies | "
         f"{overhead['log_copy_ms_per_step']:.2f} ms for {overhead['log_copy_mb_per_step']:.0f} "
         "MB |",
         f"| cold start to a CUDA-ready interpreter with an optimizer (what a hot spare has "
