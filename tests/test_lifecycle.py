@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 from helpers import DEMO, finish_run, job_processes, run, start_run, xmig
 
@@ -114,11 +115,15 @@ def test_hang_without_steps(tmp_path, measure):
     )
 
 
-def test_lost_agent_stops_the_job(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_lost_agent_stops_the_job(tmp_path, how):
+    """An agent that dies (its connection closes) or goes silent (SIGSTOP: no heartbeat to
+    the coordinator) is a lost node; with no spare node the job stops, within a bound."""
     proc = start_run(
-        ["--nnodes", "2", "--nproc-per-node", "1", _script(tmp_path, SLEEPER), str(tmp_path), "60"],
+        ["--nnodes", "2", "--nproc-per-node", "1", "--heartbeat-timeout", "1.5", "--stop-grace",
+         "1", _script(tmp_path, SLEEPER), str(tmp_path), "60"],
         tmp_path,
-    )
+    )  # fmt: skip
     _pid_files(tmp_path, 2)
     launcher = psutil.Process(proc.pid)
     agent = _wait_for(
@@ -128,11 +133,19 @@ def test_lost_agent_stops_the_job(tmp_path):
         30,
         "the agent of node 1",
     )[0]
-    agent.kill()
+    started = time.monotonic()
+    if how == "killed":
+        agent.kill()
+    else:
+        agent.suspend()
     result = finish_run(proc, tmp_path, timeout=60)
     fault = result.summary["faults"][0]
     assert fault["kind"] == "agent_lost" and fault["node"] == 1
+    assert result.summary["lost_nodes"] == [1]
+    assert "no spare node" in result.summary["message"]
     assert result.returncode == 1
+    # noticed and stopped well within the 60 s the workers would have slept
+    assert time.monotonic() - started < 40
 
 
 def test_interrupt_stops_everything(tmp_path):

@@ -19,6 +19,7 @@ from xmig.wire import Peer, Server, format_address
 # faults detected within this window of the first one are weighed together: the earliest is
 # the cause, the rest (peers failing because it died) are its consequences
 SETTLE_WINDOW_S = 0.1
+CHECK_INTERVAL_S = 0.1  # how often deadlines and agents' silence are checked
 # reports the decision loop handles in order: recoveries' and migrations' steps
 QUEUED_REPORTS = ("worker_joined", "parked", "recovered", "recovery_failed", "paused",
                   "pause_refused", "rejoined", "resumed", "dumped", "restored")  # fmt: skip
@@ -245,22 +246,30 @@ class Coordinator:
         """The decision loop; returns when the job has an outcome."""
         self.server.start()
         deadline = time.monotonic() + self.spec.agent_connect_timeout
+        next_check = 0.0
         while not self.finished.is_set():
             try:
-                kind, data = self._events.get(timeout=0.1)
+                kind, data = self._events.get(timeout=CHECK_INTERVAL_S)
             except queue.Empty:
-                with self._lock:
-                    if self.status == "starting" and time.monotonic() > deadline:
-                        missing = sorted(set(range(self.spec.nnodes)) - set(self.agents))
-                        self._stop_job(
-                            f"agents of nodes {missing} did not connect within "
-                            f"{self.spec.agent_connect_timeout:.0f} s"
-                        )
-                    self._check_recovery_deadline()
-                    if self.status in ("running", "recovering"):
-                        self._check_agents_alive()
-                continue
-            self._decide(kind, data)
+                pass
+            else:
+                self._decide(kind, data)
+            # the time-outs are checked even while events keep coming (fast steps)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + CHECK_INTERVAL_S
+                self._check_timeouts(deadline)
+
+    def _check_timeouts(self, start_deadline: float) -> None:
+        with self._lock:
+            if self.status == "starting" and time.monotonic() > start_deadline:
+                missing = sorted(set(range(self.spec.all_nodes)) - set(self.agents))
+                self._stop_job(
+                    f"agents of nodes {missing} did not connect within "
+                    f"{self.spec.agent_connect_timeout:.0f} s"
+                )
+            self._check_recovery_deadline()
+            if self.status in ("running", "recovering", "migrating"):
+                self._check_agents_alive()
 
     def _decide(self, kind: str, data: Any) -> None:
         if kind == "fault":
