@@ -1,10 +1,16 @@
-"""Live migration on CPU: downtime by phase against the size of the moved process.
+"""Live migration: downtime by phase against the size of the moved process (CPU or GPU).
 
-    python bench/migration.py [--out bench/results/migration.md]   (root: CRIU, namespaces)
+    python bench/migration.py [--out bench/results/migration.md]          (root: CRIU, netns)
+    NCCL_NVLS_ENABLE=0 XMIG_CRIU=… python bench/migration.py --gpu [--nnodes 4 --rank 3]
 
-Runs the demo GPT on 2 simulated hosts plus a spare one (``--simulate-hosts``), moves rank 1
-to the spare node at step 3 (``--inject migrate:rank=1:step=3``) at several model sizes, and
-compares each run's final parameters with the fault-free run's. Every run is bounded in time.
+Runs the demo GPT on ``--nnodes`` simulated hosts of one rank each plus a spare one
+(``--simulate-hosts``), moves ``--rank`` to the spare node at step 3 (``--inject
+migrate:rank=R:step=3``) at several model sizes, and compares each run's final parameters with
+the fault-free run's. On a GPU machine (``--gpu``) every node has a GPU of its own (the spare
+node's is another GPU where the machine has one more than the job's nodes, else the first):
+the moved process's GPU memory goes through the CUDA driver's checkpoint API. The results
+file keeps its other sections: each label (``CPU``, ``GPU …``) rewrites only its own. Every
+run is bounded in time.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery_cpu import REPO, machine, write_report, xmig_summary
+import torch
+from recovery_cpu import REPO, machine, xmig_summary
 
 from xmig.migrate import criu_status
 
@@ -24,72 +31,183 @@ SIZES = {  # name: model flags (small batches: the point is the process's size, 
     "small": ["--preset", "small"],
     "gpt100m": ["--preset", "gpt100m", "--batch-size", "1", "--block-size", "64"],
 }
+GPU_SIZES = {
+    "small": ["--preset", "small"],
+    "gpt100m": ["--preset", "gpt100m", "--batch-size", "4"],
+    "gpt350m": ["--preset", "gpt350m", "--batch-size", "4"],
+    "gpt350m, batch 16": ["--preset", "gpt350m", "--batch-size", "16"],
+}
 STEPS = 5
-LAYOUT = ["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "--simulate-hosts",
-          "--hot-spares", "0"]  # fmt: skip
+MOVE_AT = 3
+RUN_TIMEOUT_S = 300
+
+
+def replace_section(path: Path, label: str, section: list[str], title: str) -> None:
+    """Write ``section`` (starting with its ``## label …`` heading) into the results file,
+    in place of the old section of that label; other sections stay."""
+    head, sections = [f"# {title}", ""], {}
+    if path.exists():
+        text = path.read_text()
+        first, *rest = text.split("\n## ")
+        head = first.rstrip("\n").splitlines() + [""]
+        for chunk in rest:
+            name = chunk.split("\n", 1)[0]
+            sections[name.split(" (")[0]] = ["## " + chunk.rstrip("\n"), ""]
+    sections[label] = [*section, ""]
+    lines = head + [line for name in sections for line in sections[name]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+    print(f"wrote {path} (section {label!r})")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "migration.md")
+    parser.add_argument("--gpu", action="store_true", help="NCCL, one GPU per simulated host")
+    parser.add_argument("--nnodes", type=int, default=2, help="nodes of one rank each")
+    parser.add_argument("--rank", type=int, default=1, help="the rank that moves")
+    parser.add_argument("--sizes", nargs="+", help="a subset of the model sizes, by name")
+    parser.add_argument("--label", help="the results file's section (default: CPU or GPU)")
+    parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="per run, seconds")
     args = parser.parse_args()
     usable, detail = criu_status()
     if not usable:
         print(f"CRIU is not usable here: {detail}", file=sys.stderr)
         return 2
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu: no CUDA device here", file=sys.stderr)
+        return 2
+    if not 0 <= args.rank < args.nnodes:
+        print(f"--rank {args.rank}: the job has ranks 0..{args.nnodes - 1}", file=sys.stderr)
+        return 2
+    sizes = GPU_SIZES if args.gpu else SIZES
+    unknown = sorted(set(args.sizes or []) - set(sizes))
+    if unknown:
+        print(f"unknown sizes {unknown}; known: {sorted(sizes)}", file=sys.stderr)
+        return 2
+    chosen = {name: sizes[name] for name in (args.sizes or sizes)}
+    label = args.label or ("GPU" if args.gpu else "CPU")
     command = "python bench/migration.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = Path(tempfile.mkdtemp(prefix="xmig-migration-"))
+    layout = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--spare-nodes", "1",
+              "--simulate-hosts", "--hot-spares", "0"]  # fmt: skip
     rows = []
-    for name, model in SIZES.items():
-        reference = xmig_summary(work, f"{name}-reference", STEPS, LAYOUT, [], model=model)
-        flags = [*LAYOUT, "--inject", "migrate:rank=1:step=3"]
-        moved = xmig_summary(work, f"{name}-moved", STEPS, flags, [], model=model)
+    for name, model in chosen.items():
+        slug = name.replace(", ", "-").replace(" ", "")
+        try:
+            reference = xmig_summary(work, f"{slug}-reference", STEPS, layout, [], model=model,
+                                     nproc=1, timeout=args.timeout)  # fmt: skip
+            flags = [*layout, "--inject", f"migrate:rank={args.rank}:step={MOVE_AT}"]
+            moved = xmig_summary(work, f"{slug}-moved", STEPS, flags, [], model=model, nproc=1,
+                                 timeout=args.timeout)  # fmt: skip
+        except RuntimeError as exc:  # an overrun: said in the table
+            rows.append((name, {"message": str(exc)}, None, False))
+            print(name, exc, flush=True)
+            break
         expected = reference["final_params_sha256"]
         same = expected is not None and moved["final_params_sha256"] == expected
-        record = moved["migrations"][0] if moved["migrations"] else None
+        record = moved["migrations"][0] if moved.get("migrations") else None
         rows.append((name, moved, record, same))
-        print(name, record["downtime_s"] if record else moved["message"], same, flush=True)
+        print(name, record if record else moved["message"], same, flush=True)
+        if record is None or not same:
+            break  # the larger sizes would fail alike, and slower
+    ok = all(r[2] is not None and r[3] for r in rows)
+    for name in list(chosen)[len(rows) :]:
+        rows.append((name, {"message": "not run: a smaller size failed"}, None, False))
+    section = report(args, label, command, started, detail, rows)
+    replace_section(args.out, label, section, "Live migration: downtime by phase")
+    print(f"logs in {work}")
+    return 0 if ok else 1
+
+
+def report(args: argparse.Namespace, label: str, command: str, started: str, detail: str,
+           rows: list) -> list[str]:  # fmt: skip
+    where = machine()
+    if args.gpu:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        where += f"; {torch.cuda.device_count()} × {', '.join(names)}, NCCL {nccl}"
     lines = [
-        "# Live migration: downtime by phase",
+        f"## {label} (measured {started})",
         "",
-        f"## CPU (measured {started})",
+        f"`{command}` as root; {where}; {detail}.",
         "",
-        f"`{command}` as root; {machine()}; {detail}.",
+        f"The demo GPT on {args.nnodes} simulated hosts (a network namespace each, one rank "
+        f"each) plus a spare one; rank {args.rank} moves to the spare node at the start of step "
+        f"{MOVE_AT}: every rank pauses at that boundary, the moving rank closes its agent "
+        "connection, its agent checkpoints it with `criu dump --tcp-close`, the spare node's "
+        "agent fetches the images and restores it (same PID, its own network namespace) and "
+        "adopts it, it reconnects, and every rank resumes on a new communicator. No state pull "
+        "and no replay. Seconds; downtime is from every rank paused to every rank resumed.",
         "",
-        "The demo GPT on 2 simulated hosts (a network namespace each) plus a spare one; rank 1 "
-        "moves to the spare node at the start of step 3: every rank pauses at that boundary, "
-        "rank 1 closes its agent connection, its agent checkpoints it with `criu dump "
-        "--tcp-close`, the spare node's agent fetches the images and restores it (same PID, "
-        "its own network namespace) and adopts it, it reconnects, and every rank resumes on a "
-        "new "
-        "communicator. No state pull and no replay. Seconds; downtime is from every rank "
-        "paused to every rank resumed.",
-        "",
-        "| model | image | quiesce | dump | transfer | restore | rejoin | downtime | same PID | "
-        "bit-identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if args.gpu:
+        lines += [
+            "On GPU, every rank aborts its NCCL communicator at the pause; the moving rank "
+            "empties PyTorch's cache of free GPU blocks; its agent locks its CUDA calls and "
+            "checkpoints its GPU memory into its host memory through the driver's API "
+            "(`cuCheckpointProcessLock`, `cuCheckpointProcessCheckpoint`) before the CRIU "
+            "dump; the spare node's agent restores it onto the spare node's GPU "
+            "(`cuCheckpointProcessRestore` with the old/new GPU UUID pair, then `Unlock`). "
+            "The driver restores onto another GPU only given a UUID pair for every GPU of "
+            "the machine (one-to-one): the moving GPU and the target swap, the others map to "
+            "themselves. NCCL keeps the address of the interface it found at its first use, so "
+            "every rank has an interface of its own (`xr<rank>`, NCCL_SOCKET_IFNAME), which "
+            "moves into the target node's namespace with the rank, keeping address and MAC. "
+            "GPU memory: what the moved process held when it stopped (NVML). Goal: downtime "
+            "≤ 1 s + GPU memory / checkpoint rate (this run's "
+            "`cuCheckpointProcessCheckpoint` rate).",
+            "",
+            "| model | GPU memory | from → to GPU | image | quiesce | GPU checkpoint | dump | "
+            "transfer | restore | GPU restore | rejoin | downtime | goal | checkpoint rate | "
+            "same PID | bit-identical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| model | image | quiesce | dump | transfer | restore | rejoin | downtime | "
+            "same PID | bit-identical |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for name, moved, record, same in rows:
         if record is None:
-            lines.append(f"| {name} | not migrated: {moved['message']} |||||||||")
+            blanks = "|" * (15 if args.gpu else 9)
+            lines.append(f"| {name} | not migrated: {moved['message']} {blanks}")
             continue
         p = record["phases"]
-        lines.append(
-            f"| {name} | {record['image_bytes'] / 1e6:.0f} MB | {p['quiesce']:.3f} | "
-            f"{p['dump']:.3f} | {p['transfer']:.3f} | {p['restore']:.3f} | {p['rejoin']:.3f} | "
-            f"**{record['downtime_s']:.2f}** | {'yes' if record['pid_kept'] else 'NO'} | "
-            f"{'yes' if same else 'NO'} |"
-        )
+        kept, identical = ("yes" if record["pid_kept"] else "NO"), ("yes" if same else "NO")
+        if args.gpu:
+            gpu_bytes = record.get("gpu_bytes", 0)
+            rate = gpu_bytes / max(record.get("gpu_calls_s", {}).get("checkpoint", 0), 1e-9)
+            goal = 1.0 + gpu_bytes / rate if gpu_bytes else 1.0
+            move = f"{short(record.get('gpu'))} → {short(record.get('to_gpu'))}"
+            met = "met" if record["downtime_s"] <= goal else "not met"
+            lines.append(
+                f"| {name} | {gpu_bytes / 1e9:.2f} GB | {move} | "
+                f"{record['image_bytes'] / 1e9:.2f} GB | {p['quiesce']:.3f} | "
+                f"{p['gpu_checkpoint']:.3f} | {p['dump']:.3f} | {p['transfer']:.3f} | "
+                f"{p['restore']:.3f} | {p['gpu_restore']:.3f} | {p['rejoin']:.3f} | "
+                f"**{record['downtime_s']:.2f}** | {goal:.2f} ({met}) | {rate / 1e9:.2f} GB/s | "
+                f"{kept} | {identical} |"
+            )
+        else:
+            lines.append(
+                f"| {name} | {record['image_bytes'] / 1e6:.0f} MB | {p['quiesce']:.3f} | "
+                f"{p['dump']:.3f} | {p['transfer']:.3f} | {p['restore']:.3f} | "
+                f"{p['rejoin']:.3f} | **{record['downtime_s']:.2f}** | {kept} | {identical} |"
+            )
     lines += [
         "",
         "Transfer: the target node's agent fetches the images from the source node's agent "
         "over TCP (the job's token, `sendfile`), between the two network namespaces; with "
         "`XMIG_MIGRATE_DIR` set (a directory both read) it is 0.",
-        "",
     ]
-    write_report(args.out, lines)
-    return 0
+    return lines
+
+
+def short(uuid: str | None) -> str:
+    return uuid[:12] if uuid else "?"
 
 
 if __name__ == "__main__":

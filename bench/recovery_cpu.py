@@ -46,17 +46,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def bounded(cmd: list[str], log: Path) -> int:
+def bounded(cmd: list[str], log: Path, timeout: float = RUN_TIMEOUT_S) -> int:
     """Run ``cmd`` in its own process group; kill the group if it overruns."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)  # fmt: skip
         try:
-            return proc.wait(timeout=RUN_TIMEOUT_S)
+            return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise RuntimeError(f"{' '.join(cmd)} overran {RUN_TIMEOUT_S} s; see {log}") from None
+            raise RuntimeError(f"{' '.join(cmd)} overran {timeout:.0f} s; see {log}") from None
 
 
 def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2) -> dict:
@@ -88,13 +88,14 @@ def xmig_summary(
     script_flags: list[str],
     model: list[str] = MODEL,
     nproc: int = 2,
+    timeout: float = RUN_TIMEOUT_S,
 ) -> dict:
     """``xmig run FLAGS demo SCRIPT_FLAGS`` with a summary; returns the summary."""
     summary = work / f"{name}.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(nproc), "--summary",
            str(summary), *flags, str(DEMO), *model, "--steps", str(steps), "--quiet",
            *script_flags]  # fmt: skip
-    bounded(cmd, work / f"{name}.log")
+    bounded(cmd, work / f"{name}.log", timeout)
     return json.loads(summary.read_text())
 
 

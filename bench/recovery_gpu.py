@@ -1,13 +1,16 @@
-"""GPU benchmark on 2 GPUs: the proxy's steady-state cost and recovery over NCCL.
+"""GPU benchmark on 2 (or more) GPUs: the proxy's steady-state cost and recovery over NCCL.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python bench/recovery_gpu.py --out bench/results/gpu-h200x2.md
+    … python bench/recovery_gpu.py --nproc 4 --kill-rank 2 --error-rank 1 \\
+        --out bench/results/gpu-h200x4.md
 
 The demo GPT at ~350 M parameters, DDP, one rank per GPU: plain DDP vs DDP through xmig
-(paired ABBA steps in the same processes), a SIGKILL of rank 1 mid-backward recovered from a
-hot spare and from a cold start, an injected communication error (no respawn), each compared
-bit for bit with the fault-free run; and the baseline in the same run: torchrun restarting every
-worker and reloading a checkpoint from local disk, for the same kill.
+(paired ABBA steps in the same processes), a SIGKILL of one rank mid-backward recovered from a
+hot spare and from a cold start, an injected communication error on one rank (no respawn),
+each compared bit for bit with the fault-free run, with the survivors' PIDs checked; and the
+baseline in the same run: torchrun restarting every worker and reloading a checkpoint from
+local disk, for the same kill.
 """
 
 from __future__ import annotations
@@ -34,49 +37,68 @@ CHECKPOINT_EVERY = 5
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, one per GPU")
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--error-rank", type=int, default=1)
     args = parser.parse_args()
+    nproc, kill, error = args.nproc, args.kill_rank, args.error_rank
+    if nproc < 2 or nproc > torch.cuda.device_count():
+        print(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPUs",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not (0 <= kill < nproc and 0 <= error < nproc):
+        print(f"--kill-rank/--error-rank must be ranks of 0..{nproc - 1}", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="xmig-gpu2-"))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
     def job(name: str, flags: list[str]) -> dict:
         events = work / f"{name}-events.jsonl"
         summary = xmig_summary(work, name, STEPS, flags, [*SLOW, "--events-file", str(events)],
-                               model=MODEL, nproc=2)  # fmt: skip
+                               model=MODEL, nproc=nproc)  # fmt: skip
         if summary["faults"]:
             records, _ = step_events(events)
             fault = summary["faults"][0]
-            summary["kill_to_step_done_s"] = time_to_step(records, fault["t_fault"], FAULT_STEP, 2)
+            summary["kill_to_step_done_s"] = time_to_step(records, fault["t_fault"], FAULT_STEP,
+                                                          nproc)  # fmt: skip
         return summary
 
+    def survivors_kept(summary: dict, faulty: int) -> bool:
+        pids = summary.get("worker_pids", {})
+        return all(len(pids.get(str(r), [])) == 1 for r in range(nproc) if r != faulty)
+
     reference = job("reference", ["--hot-spares", "0"])
+    spare_case = f"kill rank {kill} mid-backward, hot spare"
+    error_case = f"communication error on rank {error} (no respawn)"
     cases = [
-        ("kill rank 1 mid-backward, hot spare", [f"kill:rank=1:step={FAULT_STEP}:at=backward"],
-         []),
-        ("kill rank 1 mid-backward, cold start", [f"kill:rank=1:step={FAULT_STEP}:at=backward"],
+        (spare_case, kill, [f"kill:rank={kill}:step={FAULT_STEP}:at=backward"], []),
+        (f"kill rank {kill} mid-backward, cold start", kill,
+         [f"kill:rank={kill}:step={FAULT_STEP}:at=backward"], ["--hot-spares", "0"]),
+        (error_case, error, [f"raise:rank={error}:step={FAULT_STEP}:at=backward"],
          ["--hot-spares", "0"]),
-        ("communication error on rank 1 (no respawn)",
-         [f"raise:rank=1:step={FAULT_STEP}:at=backward"], ["--hot-spares", "0"]),
     ]  # fmt: skip
     results = []
-    for name, faults, flags in cases:
+    for name, faulty, faults, flags in cases:
         inject = [x for f in faults for x in ("--inject", f)]
         summary = job(name.split(",")[0].replace(" ", "-") + str(len(results)), [*flags, *inject])
         record = summary["recoveries"][0] if summary["recoveries"] else None
         same = summary["final_params_sha256"] == reference["final_params_sha256"]
+        summary["survivors_kept_pids"] = survivors_kept(summary, faulty)
         results.append((name, summary, record, same))
         print(name, record["total_s"] if record else summary["message"], same, flush=True)
-    baseline = torchrun_restart(work, "torchrun", MODEL, STEPS, (1, FAULT_STEP),
-                                CHECKPOINT_EVERY, SLOW)  # fmt: skip
+    baseline = torchrun_restart(work, "torchrun", MODEL, STEPS, (kill, FAULT_STEP),
+                                CHECKPOINT_EVERY, SLOW, nproc=nproc)  # fmt: skip
     baseline_same = baseline["final_params_sha256"] == reference["final_params_sha256"]
     print("torchrun", baseline, baseline_same, flush=True)
-    overhead = paired(work, "overhead", 30, MODEL, nproc=2)
+    overhead = paired(work, "overhead", 30, MODEL, nproc=nproc)
 
     lines = [
-        "# Recovery on 2 × H200 (NCCL)",
+        f"# Recovery on {nproc} × H200 (NCCL)",
         "",
         f"Measured {started} with `NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
-        "NVSHMEM_DISABLE_NVLS=1 python bench/recovery_gpu.py` on the device machine kind "
-        f"`nvidia-h200-x2` (2 × {torch.cuda.get_device_name(0)}; {machine()}; NCCL "
+        f"NVSHMEM_DISABLE_NVLS=1 python bench/recovery_gpu.py {' '.join(sys.argv[1:])}` on the "
+        f"device machine kind `nvidia-h200-x{torch.cuda.device_count()}` "
+        f"({torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}; {machine()}; NCCL "
         f"{'.'.join(map(str, torch.cuda.nccl.version()))}).",
         "",
         f"The demo GPT `{' '.join(MODEL)}` ({overhead['parameters'] / 1e6:.0f} M parameters), "
@@ -102,12 +124,12 @@ def main() -> int:
         "setup: the pair communicator and the structure.",
         "",
         "| fault | mode | total | detect | park | respawn | rebuild | pull | "
-        "replay | state pull | bit-identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "replay | state pull | bit-identical | survivors' PIDs kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, summary, record, same in results:
         if record is None:
-            lines.append(f"| {name} | not recovered: {summary['message']} |||||||||")
+            lines.append(f"| {name} | not recovered: {summary['message']} ||||||||||")
             continue
         p = record["phases"]
         rate = record.get("pull_gb_per_s")
@@ -116,14 +138,15 @@ def main() -> int:
         lines.append(
             f"| {name} | {record['mode']} | **{record['total_s']:.2f}** | {p['detect']:.3f} | "
             f"{p['park']:.3f} | {p['respawn']:.2f} | {p['rebuild']:.2f} | {p['pull']:.2f} | "
-            f"{p['replay']:.3f} | {pulled} | {'yes' if same else 'NO'} |"
+            f"{p['replay']:.3f} | {pulled} | {'yes' if same else 'NO'} | "
+            f"{'yes' if summary['survivors_kept_pids'] else 'NO'} |"
         )
     lines += [
         "",
         "## Against torchrun restart + checkpoint (same run, same kill)",
         "",
-        f"Seconds from the kill of rank 1 mid-backward in step {FAULT_STEP} until step "
-        f"{FAULT_STEP} has finished on both ranks (the rest of that step, "
+        f"Seconds from the kill of rank {kill} mid-backward in step {FAULT_STEP} until step "
+        f"{FAULT_STEP} has finished on every rank (the rest of that step, "
         f"`{' '.join(SLOW)}` included, counts for both). The baseline runs the same script "
         f"with `--plain` under `torchrun --max-restarts 1 --monitor-interval 0.1`, saving model "
         f"and optimizer to local disk (`torch.save`, rank 0, then a barrier) after every "
@@ -148,8 +171,8 @@ def main() -> int:
         "",
     ]
     by_name = {name: (record, same) for name, _summary, record, same in results}
-    spare = by_name["kill rank 1 mid-backward, hot spare"]
-    retry = by_name["communication error on rank 1 (no respawn)"]
+    spare, retry = by_name[spare_case], by_name[error_case]
+    kept = all(summary["survivors_kept_pids"] for _name, summary, _r, _s in results)
 
     def verdict(record: dict | None, limit: float) -> str:
         if record is None:
@@ -169,6 +192,8 @@ def main() -> int:
         f"| final parameters equal to the fault-free run's | "
         f"{'all' if all(same for *_x, same in results) else 'NOT all'} | "
         f"{'yes' if all(same for *_x, same in results) else 'no'} |",
+        f"| survivors keep their processes (PIDs) | {'all' if kept else 'NOT all'} | "
+        f"{'yes' if kept else 'no'} |",
         "",
     ]
     write_report(args.out, lines, echo=True)

@@ -63,6 +63,8 @@ def test_injected_migration_is_bit_identical(tmp_path, tmp_path_factory, measure
     assert result.returncode == 0, result.output
     record = check_migrated(result.summary, 1, source, target, world)
     assert record["step"] == 3
+    # the rank's own interface (its address, which NCCL keeps) went with it
+    assert record["interface"] == "xr1"
     assert result.summary["final_params_sha256"] == reference_hash(world, tmp_path_factory)
     phases = " ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
     measure(f"migrate rank 1 of {world}, node {source} -> {target}: downtime "

@@ -606,11 +606,15 @@ class Session:
         # before the agent hears of it: its dump may come at once. The restorer becomes the
         # parent for a moment, then exits
         outlive_parent()
-        gpu = None
+        gpu, gpu_bytes = None, 0
         if self.backend == "nccl":
             torch.cuda.synchronize(self.device)
+            # cached free blocks would be checkpointed, copied and restored for nothing
+            torch.cuda.empty_cache()
             gpu = str(torch.cuda.get_device_properties(self.device).uuid)
-        self.link.ready_for_dump(gpu)
+            free, total = torch.cuda.mem_get_info(self.device)
+            gpu_bytes = total - free  # this GPU's use: this process's, one process per GPU
+        self.link.ready_for_dump(gpu, gpu_bytes)
         self.link.close()
         deadline = time.monotonic() + self.env.recovery_timeout
         while not os.path.exists(rejoin):  # the process is frozen and moved meanwhile

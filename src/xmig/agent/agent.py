@@ -21,7 +21,7 @@ from typing import Any
 from xmig.agent.spare import READY_FD as SPARE_READY_FD
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
-from xmig.migrate import criu, cuda, stream
+from xmig.migrate import criu, cuda, netif, stream
 from xmig.procs import die_with_parent
 from xmig.wire import Client, Peer, Server, WireError, format_address
 
@@ -42,6 +42,7 @@ class Worker:
     step: int | None = None
     announced: dict[str, Any] | None = None  # the injected fault it said it is carrying out
     gpu: str | None = None  # the UUID of the GPU it holds state on, when it is moving
+    gpu_bytes: int = 0  # how much of that GPU's memory it holds
 
     @property
     def pid(self) -> int:
@@ -194,7 +195,9 @@ class Agent:
                 self._post("worker_error", (rank, worker.pid, msg, wall))
             elif op == "ready_for_dump":
                 worker.state = "migrating"  # its link closes next; that is not a fault
-                worker.gpu = msg.get("gpu")
+                gpu = msg.get("gpu")
+                worker.gpu = cuda.canonical_uuid(gpu) if gpu is not None else None
+                worker.gpu_bytes = int(msg.get("gpu_bytes", 0))
                 self._post("dump_now", rank)
             elif op == "done":
                 worker.state = "done"
@@ -260,7 +263,7 @@ class Agent:
     def _report_criu(self) -> None:
         usable, detail = criu.criu_status()
         self._post("forward", ("criu", {"node": self.node_rank, "usable": usable,
-                                        "detail": detail}))  # fmt: skip
+                                        "detail": detail, "gpus": cuda.node_gpus()}))  # fmt: skip
 
     # ---- migration ----------------------------------------------------------------------------
     def _dump(self, rank: int) -> None:
@@ -271,10 +274,15 @@ class Agent:
             with contextlib.suppress(OSError):
                 fds[str(fd)] = os.readlink(f"/proc/{worker.pid}/fd/{fd}")
         generation = order["generation"]
-        gpu_s = 0.0
+        gpu_s, gpu_times, gpus_before = 0.0, {}, []
         try:
             if worker.gpu is not None:  # its GPU memory goes into its host memory first
-                gpu_s = cuda.GpuCheckpoint(worker.pid).save()
+                held = cuda.process_gpu_bytes(worker.pid, worker.gpu)
+                if held is not None:  # its own share (the worker said what its GPU holds)
+                    worker.gpu_bytes = held
+                gpus_before = cuda.machine_gpus()
+                checkpoint = cuda.GpuCheckpoint(worker.pid)
+                gpu_s, gpu_times = checkpoint.save(), checkpoint.times
             started = time.monotonic()
             criu.dump(worker.pid, order["images"], tcp_close=True)
         except (criu.CriuError, cuda.GpuCheckpointError) as exc:
@@ -282,10 +290,17 @@ class Agent:
                                          "generation": generation}))  # fmt: skip
             return
         took = time.monotonic() - started
+        interface = None
+        name = netif.rank_interface(rank)
+        if netif.exists(name):  # the target node's agent takes it into its namespace
+            with contextlib.suppress(netif.InterfaceError):
+                interface = {"name": name, "address": netif.address_of(name),
+                             "netns": os.environ.get(netif.NETNS_ENV)}  # fmt: skip
         size = sum(f.stat().st_size for f in Path(order["images"]).iterdir() if f.is_file())
         result = {"ok": True, "dump_s": took, "image_bytes": size, "fds": fds,
-                  "generation": generation, "gpu": worker.gpu,
-                  "gpu_checkpoint_s": gpu_s}  # fmt: skip
+                  "generation": generation, "gpu": worker.gpu, "gpu_bytes": worker.gpu_bytes,
+                  "gpu_checkpoint_s": gpu_s, "gpu_times": gpu_times,
+                  "gpus_before": gpus_before, "interface": interface}  # fmt: skip
         if order.get("serve"):
             result["serve"] = self._serve_images(order["images"])
         self._post("dumped", (rank, result))
@@ -339,14 +354,20 @@ class Agent:
         # the worker's output goes where this agent's goes (duplicates handed to criu)
         inherit = {os.dup(fd): res for fd, res in stdio_resources(order.get("fds", {})).items()}
         started = time.monotonic()
-        gpu_s = 0.0
+        gpu_s, gpu_times, target = 0.0, {}, None
         try:
+            interface = order.get("interface")
+            if interface:
+                netif.take(interface["name"], interface["address"], interface["netns"])
             criu.restore(order["images"], tcp_close=True, inherit_fds=inherit)
             took = time.monotonic() - started
             if order.get("gpu") is not None:  # onto this node's GPU for its local rank
                 target = cuda.device_uuid(int(order["local_rank"]))
-                gpu_s = cuda.GpuCheckpoint(pid).load({order["gpu"]: target})
-        except (criu.CriuError, cuda.GpuCheckpointError) as exc:
+                pairs = cuda.restore_pairs(order["gpu"], target, order.get("gpus_before", []),
+                                           cuda.machine_gpus())  # fmt: skip
+                checkpoint = cuda.GpuCheckpoint(pid)
+                gpu_s, gpu_times = checkpoint.load(pairs), checkpoint.times
+        except (criu.CriuError, cuda.GpuCheckpointError, netif.InterfaceError) as exc:
             with self._lock:
                 del self.workers[rank]
             self._notify("restored", rank=rank, node=self.node_rank, ok=False, error=str(exc),
@@ -359,6 +380,7 @@ class Agent:
         self._selector.register(worker.pidfd, selectors.EVENT_READ, rank)
         self._notify("restored", rank=rank, node=self.node_rank, ok=True, pid=pid,
                      restore_s=took, gpu_restore_s=gpu_s, transfer_s=transfer_s,
+                     gpu_times=gpu_times, to_gpu=target,
                      generation=order["generation"])  # fmt: skip
         shutil.rmtree(order["images"], ignore_errors=True)  # the worker removes the rejoin file
 
@@ -491,6 +513,9 @@ class Agent:
         )
         environ = self._base_environ()
         environ.update(env.to_environ())
+        interface = netif.rank_interface(rank)
+        if netif.exists(interface):  # the rank's own, which moves with it (simulated hosts)
+            environ["NCCL_SOCKET_IFNAME"] = f"={interface}"
         proc = self._take_spare(environ) if attempt > 0 else None
         if proc is None:
             proc = subprocess.Popen(

@@ -108,11 +108,12 @@ class AgentLink:
         except WireError:
             self._on_lost()
 
-    def ready_for_dump(self, gpu: str | None) -> None:
+    def ready_for_dump(self, gpu: str | None, gpu_bytes: int = 0) -> None:
         """Tell the agent this process is quiet and may be checkpointed (``gpu``: the UUID of
-        the GPU it holds state on); returns once it knows (the worker closes this link next:
-        its end is not a fault)."""
-        self._client.call("ready_for_dump", gpu=gpu, t=time.time(), timeout=10.0)
+        the GPU it holds state on, ``gpu_bytes`` of it); returns once it knows (the worker
+        closes this link next: its end is not a fault)."""
+        self._client.call("ready_for_dump", gpu=gpu, gpu_bytes=gpu_bytes, t=time.time(),
+                          timeout=10.0)  # fmt: skip
 
     def report_done(self, steps: int, params_sha256: str | None) -> None:
         """Report that the training loop finished ``steps`` steps."""

@@ -11,7 +11,13 @@ from datetime import timedelta
 from typing import Any
 
 from xmig.coord.job import JobSpec, describe_fault
-from xmig.coord.migration import Migration, describe_migration, images_dir, shared_images
+from xmig.coord.migration import (
+    Migration,
+    describe_migration,
+    gpu_conflict,
+    images_dir,
+    shared_images,
+)
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
 from xmig.faults.spec import FaultSpecError, parse_fault
 from xmig.wire import Peer, Server, format_address
@@ -135,7 +141,8 @@ class Coordinator:
                     self._events.put(("done_during_migration", int(msg["rank"])))
             elif op == "criu":
                 self.criu[int(msg["node"])] = {"usable": bool(msg["usable"]),
-                                               "detail": str(msg["detail"])}  # fmt: skip
+                                               "detail": str(msg["detail"]),
+                                               "gpus": list(msg.get("gpus") or [])}  # fmt: skip
             elif op == "migrate":
                 to = msg.get("to")
                 return {"migration": self._request_migration(
@@ -280,11 +287,15 @@ class Coordinator:
                     return  # already handled (its connection closed and it went silent)
                 if self.status in ("running", "starting", "recovering", "migrating"):
                     record = self._agent_lost_record(data)
-                    if record is None:
-                        return
-                    if self.status == "migrating":
-                        self.faults.append({**record, "secondary": False})
+                    m = self.migration
+                    # a spare target node has no ranks yet, and is needed all the same
+                    moving = m is not None and data in (m.source, m.target)
+                    if self.status == "migrating" and (record is not None or moving):
+                        if record is not None:
+                            self.faults.append({**record, "secondary": False})
                         self._abort_migration(f"the agent of node {data} was lost")
+                        return
+                    if record is None:
                         return
                     if self.status == "recovering":
                         self.faults.append({**record, "secondary": False})
@@ -537,7 +548,10 @@ class Coordinator:
                 return f"node {node} has not reported whether CRIU works there yet", target
             if not status["usable"]:
                 return f"CRIU is not usable on node {node}: {status['detail']}", target
-        return None, target
+        gpus = {node: status.get("gpus", []) for node, status in self.criu.items()}
+        nodes = {r: m["node"] for r, m in self.members.items()}
+        problem = gpu_conflict(rank, target, nodes, gpus, self.spec.nproc_per_node)
+        return problem, target
 
     def _request_migration(self, rank: int, target: int | None, why: str) -> str:
         problem, target = self._migration_problem(rank, target)
@@ -609,12 +623,18 @@ class Coordinator:
             m.times["dumped"] = now
             m.dump_s, m.image_bytes = float(data["dump_s"]), int(data["image_bytes"])
             m.gpu_checkpoint_s, m.gpu = float(data.get("gpu_checkpoint_s", 0.0)), data.get("gpu")
+            m.gpu_bytes = int(data.get("gpu_bytes", 0))
+            m.gpu_times.update(data.get("gpu_times") or {})
             member = self.members[m.rank]
             self.agents[m.target].push(m.order(
                 "restore", rank=m.rank, pid=m.pid, images=m.target_images,
                 rejoin_file=m.rejoin_file, fetch=data.get("serve"),
                 local_rank=m.rank % self.spec.nproc_per_node, attempt=member["attempt"],
-                fds=data.get("fds", {}), gpu=m.gpu))  # fmt: skip
+                fds=data.get("fds", {}), gpu=m.gpu,
+                gpus_before=data.get("gpus_before", []),
+                interface=data.get("interface")))  # fmt: skip
+            if data.get("interface"):
+                m.interface = str(data["interface"]["name"])
         elif kind == "restored":
             if not data.get("ok"):
                 self._abort_migration(f"restoring rank {m.rank} failed: {data.get('error')}")
@@ -622,6 +642,8 @@ class Coordinator:
             m.times["restored"] = now
             m.restore_s, m.restored_pid = float(data["restore_s"]), int(data["pid"])
             m.gpu_restore_s = float(data.get("gpu_restore_s", 0.0))
+            m.gpu_times.update(data.get("gpu_times") or {})
+            m.to_gpu = data.get("to_gpu")
             m.transfer_s = float(data.get("transfer_s", 0.0))
             self.members[m.rank]["node"] = m.target
         elif kind == "rejoined" and rank == m.rank:

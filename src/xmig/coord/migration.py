@@ -63,8 +63,12 @@ class Migration:
     restored_pid: int | None = None
     netns: int | None = None  # the network namespace the moved process reported from
     gpu: str | None = None  # the UUID of the GPU it held state on
+    to_gpu: str | None = None  # the UUID of the GPU it was restored onto
+    gpu_bytes: int = 0  # GPU memory it held when it stopped
     gpu_checkpoint_s: float = 0.0
     gpu_restore_s: float = 0.0
+    gpu_times: dict[str, float] = field(default_factory=dict)  # each driver call
+    interface: str | None = None  # the rank's own network interface, moved with it
 
     @property
     def rejoin_file(self) -> str:
@@ -104,19 +108,51 @@ class Migration:
             "criu_dump_s": round(self.dump_s, 4),
             "criu_restore_s": round(self.restore_s, 4),
             "image_bytes": self.image_bytes,
+            "interface": self.interface,
             "gpu": self.gpu,
+            "to_gpu": self.to_gpu,
+            "gpu_bytes": self.gpu_bytes,
+            "gpu_calls_s": {k: round(v, 4) for k, v in self.gpu_times.items()},
             "downtime_s": round(end - quiesced, 4),
             "total_s": round(end - self.started, 4),
         }
+
+
+def gpu_conflict(rank: int, target: int, nodes: dict[int, int], gpus: dict[int, list[str]],
+                 nproc_per_node: int) -> str | None:  # fmt: skip
+    """Why ``rank`` cannot go to node ``target`` for its GPU (None: it can). ``nodes``: each
+    rank's node; ``gpus``: each node's GPUs in its workers' order. Measured: a process whose
+    GPU state the driver restores onto a GPU that another process uses fails its first
+    kernels (``unspecified launch failure``), so the target GPU must be one no other rank
+    holds."""
+    local = rank % nproc_per_node
+    target_gpus = gpus.get(target) or []
+    if local >= len(target_gpus):
+        return None  # no GPUs there (a CPU job), or none known
+    wanted = target_gpus[local]
+    for other, node in sorted(nodes.items()):
+        held = gpus.get(node) or []
+        index = other % nproc_per_node
+        if other != rank and index < len(held) and held[index] == wanted:
+            return (
+                f"node {target}'s GPU {wanted} is in use by rank {other}: the CUDA "
+                "driver cannot restore a process onto a GPU another process uses"
+            )
+    return None
 
 
 def describe_migration(record: dict[str, Any]) -> str:
     """One human line for a migration record."""
     phases = ", ".join(f"{k} {v:.3f}" for k, v in record["phases"].items())
     kept = "same PID" if record["pid_kept"] else "NEW PID"
+    gpu = ""
+    if record.get("gpu"):
+        gpu = f", GPU {record.get('gpu_bytes', 0) / 1e9:.2f} GB {record['gpu']}"
+        if record.get("to_gpu") and record["to_gpu"] != record["gpu"]:
+            gpu += f" -> {record['to_gpu']}"
     return (
         f"migrated rank {record['rank']} from node {record['from_node']} to node "
         f"{record['to_node']} at step {record['step']} in {record['total_s']:.2f} s "
         f"(downtime {record['downtime_s']:.2f} s, {kept} {record['pid']}, image "
-        f"{record['image_bytes'] / 1e6:.0f} MB) [{phases}]"
+        f"{record['image_bytes'] / 1e6:.0f} MB{gpu}) [{phases}]"
     )

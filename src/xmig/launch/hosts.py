@@ -20,10 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xmig.migrate import netif
+
 NETNS_DIR = Path("/run/netns")
 INNER_IFNAME = "xmig0"  # the node's interface, the same name in every namespace
 CLONE_NEWNET = 0x40000000
 IP_TIMEOUT_S = 20.0
+RANK_ADDRESS_BASE = 100  # rank r's own interface has the subnet's address 100 + r
 
 
 class HostSetupError(RuntimeError):
@@ -104,7 +107,20 @@ class SimulatedHosts:
         assert self.subnet is not None
         return str(self.subnet.network_address + 1)
 
-    def create(self) -> SimulatedHosts:
+    def rank_address(self, rank: int) -> str:
+        """The address of rank ``rank``'s own interface (it moves with the rank)."""
+        assert self.subnet is not None
+        return str(self.subnet.network_address + RANK_ADDRESS_BASE + rank)
+
+    def create(self, ranks: list[int] | None = None) -> SimulatedHosts:
+        """Make the namespaces, and for ``ranks[r]`` (the node of rank ``r``) each rank's
+        interface in its node's namespace."""
+        ranks = ranks or []
+        if RANK_ADDRESS_BASE + len(ranks) > 254 or self.count + 2 > RANK_ADDRESS_BASE:
+            raise HostSetupError(
+                f"simulated hosts take at most {RANK_ADDRESS_BASE - 2} nodes and "
+                f"{254 - RANK_ADDRESS_BASE} ranks (one /24), not {self.count} and {len(ranks)}"
+            )
         check_can_simulate()
         self.subnet = _free_subnet(self.job_id)
         prefix = self.subnet.prefixlen
@@ -127,6 +143,15 @@ class SimulatedHosts:
                 # a process moved here (CRIU) brings sockets bound to its old node's address
                 _ip("netns", "exec", namespace, "sh", "-c",
                     "echo 1 > /proc/sys/net/ipv4/ip_nonlocal_bind")  # fmt: skip
+            for rank, node in enumerate(ranks):
+                inner, outer = netif.rank_interface(rank), f"xmr{self.tag}r{rank}"
+                namespace = self.namespace(node)
+                _ip("link", "add", outer, "type", "veth", "peer", "name", inner, "netns",
+                    namespace)  # fmt: skip
+                _ip("link", "set", outer, "master", self.bridge, "up")
+                _ip("-n", namespace, "addr", "add", f"{self.rank_address(rank)}/{prefix}",
+                    "dev", inner)  # fmt: skip
+                _ip("-n", namespace, "link", "set", inner, "up")
         except BaseException:
             self.remove()
             raise
@@ -151,13 +176,19 @@ class SimulatedHosts:
         """What a process in node ``node``'s namespace needs: the interface its communication
         libraries must use (gloo and NCCL would otherwise pick by host name) and, on a GPU
         machine, the GPUs of that node (in turn, ``gpus_per_node`` each), unless the user
-        chose them."""
-        env = {"GLOO_SOCKET_IFNAME": INNER_IFNAME, "NCCL_SOCKET_IFNAME": INNER_IFNAME}
+        chose them. NCCL is told that each node is a host of its own, so that it talks
+        between them over the node's network as between real hosts: its same-host transports
+        would pass handles over Unix sockets, which do not cross network namespaces."""
+        env = {"GLOO_SOCKET_IFNAME": INNER_IFNAME, "NCCL_SOCKET_IFNAME": INNER_IFNAME,
+               netif.NETNS_ENV: self.namespace(node)}  # fmt: skip
         gpus = gpu_count()
         if gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
             first = node * self.gpus_per_node
             visible = [str((first + i) % gpus) for i in range(self.gpus_per_node)]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+        if gpus:
+            defaults = {"NCCL_HOSTID": self.namespace(node), "NCCL_IB_DISABLE": "1"}
+            env.update({k: v for k, v in defaults.items() if k not in os.environ})
         return env
 
     def remove(self) -> None:

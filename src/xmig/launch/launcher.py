@@ -160,7 +160,7 @@ class Launcher:
         try:
             self.hosts = SimulatedHosts(
                 self.spec.job_id, self.spec.all_nodes, gpus_per_node=self.spec.nproc_per_node
-            ).create()
+            ).create([r // self.spec.nproc_per_node for r in range(self.spec.world_size)])
         except HostSetupError as exc:
             raise LaunchError(str(exc)) from None
         self.spec.master_addr = self.hosts.bridge_address

@@ -5,8 +5,8 @@ The protocol (pause every rank at a step boundary, checkpoint the moving rank on
 restore it on the target node, rejoin on a new generation's communicator) is driven by the
 coordinator (``xmig.coord.migration``), carried out by the agents and, on the worker side, by
 ``xmig.session``. A process with GPU state has its GPU memory checkpointed into host memory
-before the dump and restored (onto the target node's GPU) after the restore; that path has
-CPU tests against a stand-in driver and has not yet run on a GPU.
+before the dump and restored (onto the target node's GPU) after the restore; on simulated
+hosts a rank's own network interface moves with it (``netif``).
 """
 
 from xmig.migrate.criu import CriuError, criu_status, dump, find_criu, restore
