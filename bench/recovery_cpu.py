@@ -46,10 +46,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def bounded(cmd: list[str], log: Path, timeout: float = RUN_TIMEOUT_S) -> int:
+def bounded(cmd: list[str], log: Path, timeout: float = RUN_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> int:  # fmt: skip
     """Run ``cmd`` in its own process group; kill the group if it overruns."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)  # fmt: skip
         try:
             return proc.wait(timeout=timeout)

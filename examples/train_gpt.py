@@ -129,10 +129,62 @@ def synthetic_batch(
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
+class MLP(nn.Module):
+    """The small workload: an MLP regressing a fixed function of its input."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.net(x), targets)
+
+
+def synthetic_regression(
+    seed: int, step: int, rank: int, batch: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP's batch for (seed, step, rank): inputs and a fixed function of them."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+    x = torch.randn(batch, width, generator=gen)
+    return x.to(device), torch.tanh(x.roll(1, dims=1) * 0.5).to(device)
+
+
+def make_workload(args: argparse.Namespace, device: torch.device):
+    """The model (built on ``device``, weights from the current seed) and ``batch(step,
+    rank)``."""
+    if args.model == "mlp":
+        width, depth = args.n_embd or 1024, args.n_layer or 4
+        with device:
+            model = MLP(width, depth)
+        return model, lambda step, rank: synthetic_regression(
+            args.seed, step, rank, args.batch_size, width, device
+        )
+    cfg = build_config(args)
+    with device:  # built where it trains: no copy, and a GPU initializes it far faster
+        model = GPT(cfg)
+    return model, lambda step, rank: synthetic_batch(
+        args.seed, step, rank, args.batch_size, cfg.block_size, cfg.vocab_size, device
+    )
+
+
+def build_model(kind: str, preset: str, seed: int, batch_size: int, device: str = "cpu"):
+    """The workload for other training loops (the baselines'): model and ``batch(step,
+    rank)``, as this script builds them."""
+    args = parse_args(["--model", kind, "--preset", preset, "--seed", str(seed),
+                       "--batch-size", str(batch_size)])  # fmt: skip
+    torch.manual_seed(seed)
+    return make_workload(args, torch.device(device))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt",
+                        help="the GPT (sized by --preset) or a small MLP")  # fmt: skip
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--n-layer", type=int)
     parser.add_argument("--n-head", type=int)
@@ -170,7 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     baseline.add_argument(
         "--die-at",
         metavar="RANK:STEP",
-        help="that rank SIGKILLs itself mid-backward in that step of the first attempt",
+        action="append",
+        default=[],
+        help="that rank SIGKILLs itself mid-backward in that step; the i-th --die-at happens "
+        "in the i-th attempt (torchrun's restart count)",
     )
     args = parser.parse_args(argv)
     if args.steps < 0:
@@ -181,12 +236,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint-dir and --die-at belong to the --plain baseline")
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
-    if args.die_at:
+    deaths = []
+    for text in args.die_at:
         try:
-            rank, step = (int(x) for x in args.die_at.split(":"))
+            rank, step = (int(x) for x in text.split(":"))
         except ValueError:
-            parser.error(f"--die-at wants RANK:STEP, got {args.die_at!r}")
-        args.die_at = (rank, step)
+            parser.error(f"--die-at wants RANK:STEP, got {text!r}")
+        deaths.append((rank, step))
+    args.die_at = deaths
     return args
 
 
@@ -293,6 +350,18 @@ class Checkpoint:
                 out.write(json.dumps(record) + "\n")
 
 
+def train_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, sleep: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """One step of the demo's loop (other loops built on it take it too); its loss."""
+    loss = ddp(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    if sleep:
+        time.sleep(sleep)  # changes no number: makes faults easy to aim
+    return loss
+
+
 def die_mid_backward(model: nn.Module, current_step, step: int, events_file: str | None,
                      rank: int) -> None:  # fmt: skip
     """SIGKILL this process in the middle of ``step``'s backward (the baseline's fault)."""
@@ -322,8 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    with device:  # built where it trains: no copy, and a GPU initializes it far faster
-        model = GPT(cfg)
+    model, batch = make_workload(args, device)
     ddp = DistributedDataParallel(
         model,
         process_group=session.process_group,
@@ -337,13 +405,16 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = Checkpoint(args.checkpoint_dir, args.checkpoint_every) if args.plain else None
     if checkpoint is not None:
         start = checkpoint.load(model, optimizer, device)
-    if args.die_at and args.die_at[0] == rank and getattr(session, "attempt", 0) == 0:
-        die_mid_backward(model, lambda: current_step, args.die_at[1], args.events_file, rank)
+    attempt = getattr(session, "attempt", 0)
+    if attempt < len(args.die_at) and args.die_at[attempt][0] == rank:
+        die_mid_backward(model, lambda: current_step, args.die_at[attempt][1], args.events_file,
+                         rank)  # fmt: skip
     events = open(args.events_file, "a", buffering=1) if args.events_file else None  # noqa: SIM115
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
+        shape = f"GPT {cfg.n_layer}x{cfg.n_embd}" if args.model == "gpt" else "MLP"
         print(
-            f"[rank0] GPT {cfg.n_layer}x{cfg.n_embd}, {n_params / 1e6:.2f} M parameters, "
+            f"[rank0] {shape}, {n_params / 1e6:.2f} M parameters, "
             f"{session.world_size} ranks, {args.steps} steps",
             flush=True,
         )
@@ -353,15 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     current_step = start
     for step in session.steps(args.steps, start):
         current_step = step
-        x, y = synthetic_batch(
-            args.seed, step, rank, args.batch_size, cfg.block_size, cfg.vocab_size, device
-        )
-        loss = ddp(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        loss = train_step(ddp, optimizer, *batch(step, rank), args.step_sleep)
         if not args.quiet or step == args.steps - 1:
             print(f"[rank{rank}] step {step} loss {loss.item():.4f}", flush=True)
         if checkpoint is not None:

@@ -98,3 +98,14 @@ def test_checkpoint_restart_baseline_resumes_bit_identically(tmp_path):
     assert restarted == [(rank, step) for rank in (0, 1) for step in range(3, steps)]
     hashes = re.findall(r"final params sha256 ([0-9a-f]{64})", output)
     assert hashes == [reference.summary["final_params_sha256"]]
+
+
+def test_the_mlp_workload_recovers_bit_identically(tmp_path):
+    """The comparison's second workload: a kill mid-backward changes no bit of the result."""
+    mlp = ("--model", "mlp", "--n-embd", "64")
+    clean = _train(tmp_path, "mlp", extra=mlp)
+    killed = _train(tmp_path, "mlp-kill", layout=("--nproc-per-node", "2", "--inject",
+                    "kill:rank=1:step=3:at=backward"), extra=mlp)  # fmt: skip
+    assert "MLP" in clean.output
+    assert len(killed.summary["recoveries"]) == 1
+    assert killed.summary["final_params_sha256"] == clean.summary["final_params_sha256"]

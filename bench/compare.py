@@ -1,0 +1,528 @@
+"""xmig side by side with what users run today, on the same workload and the same fault.
+
+    pip install -e .[bench]       # the peers: torchft, nvidia-resiliency-ext, matplotlib
+    python bench/compare.py [--models gpt mlp] [--preset tiny] [--faults 3] [--out DIR]
+
+Systems, each on 2 ranks (gloo; NCCL where there are GPUs) running the demo's training loop:
+``plain`` (torchrun, DDP, no fault tolerance: the yardstick), ``xmig`` (hot spare, replay),
+``torchrun`` (``--max-restarts``, a checkpoint to local disk every K steps, reloaded on
+restart; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` set, as torchrun's restarts on gloo need
+it), ``torchft`` (FT-DDP: one replica group per rank, each under torchrun, a lighthouse on
+localhost) and ``nvrx`` (nvidia-resiliency-ext's in-process restart: a spare process per kill
+takes the dead rank's place, every rank calls the training function again and reloads the
+checkpoint written every K steps). Each system runs fault-free, with one SIGKILL of rank 1
+mid-backward, and with ``--faults`` kills at fixed intervals; the runs are interleaved system
+by system so that drift hits all alike. Every rank writes a JSON line per finished step;
+everything below comes from those lines and each run's final parameters' SHA-256. Results:
+``compare-<device>.md`` and ``compare-<device>.png`` in ``--out``. Every run is bounded in
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from recovery_cpu import DEMO, REPO, free_port, machine
+from recovery_cpu import bounded as run_bounded
+
+PEER_TORCHFT = REPO / "bench" / "peers" / "torchft_ddp.py"
+PEER_NVRX = REPO / "bench" / "peers" / "nvrx_inprocess.py"
+SYSTEMS = ("plain", "xmig", "torchrun", "torchft", "nvrx")
+WORLD = 2
+KILLED = 1  # the rank (replica group) every fault kills
+RUN_TIMEOUT_S = 900.0
+WARMUP_STEPS = 3
+
+
+@dataclass
+class Run:
+    """One system's run: its step lines, kills and final parameters."""
+
+    system: str
+    scenario: str
+    launched: float
+    ended: float
+    exit_code: int
+    steps: list[dict] = field(default_factory=list)
+    kills: list[float] = field(default_factory=list)
+    params: str | None = None
+    log: str = ""
+
+
+def read_events(path: Path) -> tuple[list[dict], list[float]]:
+    steps, kills = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "kill" in record:
+                kills.append(float(record["t"]))
+            else:
+                steps.append(record)
+    steps.sort(key=lambda r: r["t"])
+    return steps, sorted(kills)
+
+
+def bounded(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+    """One process group, bounded in time (-9 when it had to be killed)."""
+    try:
+        return run_bounded(cmd, log, RUN_TIMEOUT_S, env)
+    except RuntimeError as exc:  # the overrun, killed
+        print(exc, file=sys.stderr)
+        return -9
+
+
+def start_all(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> list:
+    """Start processes that belong together, each in its own process group, output to
+    ``log``."""
+    procs = []
+    for cmd, env in commands:
+        with log.open("a") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                          env=env, start_new_session=True))  # fmt: skip
+    return procs
+
+
+def wait_all(procs: list) -> list[int]:
+    """Their exit codes (-9 for one still running at the time bound); then every group that
+    is left (monitor processes and the like) is killed."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    codes = []
+    try:
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(-9)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return codes
+
+
+def _sha(log: Path) -> str | None:
+    found = re.findall(r"final params sha256 ([0-9a-f]{64})", log.read_text(errors="replace"))
+    return found[-1] if found else None
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work = args, work
+        self.workload = ["--model", args.model, "--preset", args.preset, "--batch-size",
+                         str(args.batch_size), "--steps", str(args.steps), "--quiet",
+                         "--step-sleep", str(args.step_sleep)]  # fmt: skip
+        self.env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                        PYTHONPATH=os.pathsep.join([str(REPO / "src"),
+                                                    os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+
+    def fault_steps(self, scenario: str) -> list[int]:
+        if scenario == "fault-free":
+            return []
+        if scenario == "one fault":
+            return [self.args.steps // 2]
+        every = self.args.steps // (self.args.faults + 1)
+        return [every * (i + 1) for i in range(self.args.faults)]
+
+    def run(self, system: str, scenario: str) -> Run:
+        slug = f"{self.args.model}-{system}-{scenario.replace(' ', '-')}"
+        events, log = self.work / f"{slug}.jsonl", self.work / f"{slug}.log"
+        for path in (events, log):
+            path.unlink(missing_ok=True)
+        faults = self.fault_steps(scenario)
+        launched = time.time()
+        code = getattr(self, f"_{system}")(slug, events, log, faults)
+        steps, kills = read_events(events)
+        summary = self.work / f"{slug}.summary.json"
+        if summary.exists():  # xmig's faults are injected from outside the script
+            faults_seen = json.loads(summary.read_text()).get("faults", [])
+            kills = sorted(float(f["t_fault"]) for f in faults_seen if not f.get("secondary"))
+        run = Run(system, scenario, launched, time.time(), code, steps, kills, _sha(log), str(log))
+        print(f"{system:9s} {scenario:10s} exit {code} in {run.ended - launched:6.1f} s, "
+              f"{len(kills)} kill(s), params {str(run.params)[:12]}", flush=True)  # fmt: skip
+        return run
+
+    def _torchrun_cmd(self, restarts: int, script: Path, nproc: int = WORLD) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--max-restarts", str(restarts), "--monitor-interval", "0.1",
+                "--master-port", str(free_port()), str(script)]  # fmt: skip
+
+    def _plain(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
+        cmd = [*self._torchrun_cmd(0, DEMO), "--plain", *self.workload, "--events-file",
+               str(events)]  # fmt: skip
+        return bounded(cmd, log, self.env)
+
+    def _torchrun(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
+        directory = self.work / f"{slug}-checkpoints"
+        shutil.rmtree(directory, ignore_errors=True)
+        deaths = [x for step in faults for x in ("--die-at", f"{KILLED}:{step}")]
+        cmd = [*self._torchrun_cmd(len(faults), DEMO), "--plain", *self.workload,
+               "--checkpoint-dir", str(directory), "--checkpoint-every",
+               str(self.args.checkpoint_every), *deaths, "--events-file", str(events)]  # fmt: skip
+        code = bounded(cmd, log, self.env)
+        shutil.rmtree(directory, ignore_errors=True)
+        return code
+
+    def _xmig(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
+        kills = [f"kill:rank={KILLED}:step={step}:at=backward" for step in faults]
+        injects = [x for kill in kills for x in ("--inject", kill)]
+        summary = self.work / f"{slug}.summary.json"
+        summary.unlink(missing_ok=True)
+        # as many warm spares as nvrx gets spare processes: one per kill
+        spares = ["--hot-spares", str(max(1, len(faults)))]
+        cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(WORLD), *spares,
+               *injects,
+               "--summary", str(summary), str(DEMO), *self.workload, "--events-file",
+               str(events)]  # fmt: skip
+        return bounded(cmd, log, self.env)
+
+    def _torchft(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
+        lighthouse_port = free_port()
+        lighthouse = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+        if lighthouse is None:
+            raise SystemExit("torchft is not installed: pip install -e .[bench]")
+        with (self.work / f"{slug}-lighthouse.log").open("w") as out:
+            beacon = subprocess.Popen(
+                [lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100",
+                 "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000",
+                 "--bind", f"127.0.0.1:{lighthouse_port}"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deaths = [x for step in faults for x in ("--die-at", f"{KILLED}:{step}")]
+        commands = []
+        for group in range(WORLD):
+            env = dict(self.env, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(WORLD),
+                       TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lighthouse_port}")  # fmt: skip
+            if torch.cuda.is_available():  # a GPU per replica group, as a rank has one
+                env["CUDA_VISIBLE_DEVICES"] = str(group)
+            cmd = [*self._torchrun_cmd(len(faults), PEER_TORCHFT, nproc=1), *self.workload,
+                   *deaths, "--events-file", str(events)]  # fmt: skip
+            cmd.remove("--quiet")
+            commands.append((cmd, env))
+        try:
+            return max(wait_all(start_all(commands, log)), key=abs)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(beacon.pid, signal.SIGKILL)
+            beacon.wait()
+
+    def _nvrx(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
+        spares = max(1, len(faults))  # one spare process for each kill
+        total = WORLD + spares
+        port, store_port = free_port(), free_port()
+        directory = self.work / f"{slug}-checkpoints"
+        shutil.rmtree(directory, ignore_errors=True)
+        deaths = [x for step in faults for x in ("--die-at", f"{KILLED}:{step}")]
+        commands = []
+        for rank in range(total):
+            # one thread per process, as torchrun and xmig give every worker
+            env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(total), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port),
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # fmt: skip
+            cmd = [sys.executable, str(PEER_NVRX), "--active", str(WORLD), "--store-port",
+                   str(store_port), *self.workload, "--checkpoint-dir", str(directory),
+                   "--checkpoint-every", str(self.args.checkpoint_every), *deaths,
+                   "--events-file", str(events)]  # fmt: skip
+            commands.append((cmd, env))
+        try:
+            return wait_all(start_all(commands, log))[0]  # the first rank is never killed
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+def finished(run: Run, rank: int) -> list[tuple[int, float]]:
+    """(step, wall clock) of every step line of ``rank``, in time order."""
+    return [(int(r["step"]), float(r["t"])) for r in run.steps if r["rank"] == rank]
+
+
+def step_time(run: Run) -> float | None:
+    """Median seconds per step on rank 0, after the warm-up, before any fault."""
+    first_kill = run.kills[0] if run.kills else float("inf")
+    times = [t for s, t in finished(run, 0) if s >= WARMUP_STEPS and t < first_kill]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return statistics.median(gaps) if gaps else None
+
+
+def full_world_steps(run: Run) -> list[tuple[float, float]]:
+    """(first rank's, last rank's) finishing time of each step that every rank finished with
+    every rank's batch in it (a step trained again counts by its last lines), by time."""
+    done: dict[int, dict[int, float]] = {}
+    for r in run.steps:
+        if r.get("participants", WORLD) < WORLD or r.get("committed") is False:
+            continue
+        done.setdefault(int(r["step"]), {})[int(r["rank"])] = float(r["t"])
+    spans = [(min(ranks.values()), max(ranks.values())) for ranks in done.values()
+             if len(ranks) == WORLD]  # fmt: skip
+    return sorted(spans, key=lambda span: span[1])
+
+
+def full_world_times(run: Run) -> list[float]:
+    """When each step was finished by every rank with every rank's batch in it."""
+    return [last for _first, last in full_world_steps(run)]
+
+
+def back_to_full(run: Run, kill: float) -> float | None:
+    """Until a step that every rank finished after the kill, with every rank's batch in it
+    (a step the killed rank had finished before it died does not count)."""
+    later = [last for first, last in full_world_steps(run) if first > kill]
+    return min(later) - kill if later else None
+
+
+def survivor_stall(run: Run, kill: float) -> float | None:
+    """The longest gap between two steps of a surviving rank around the kill."""
+    survivor = 0 if KILLED != 0 else 1
+    times = [t for _s, t in finished(run, survivor)]
+    before = [t for t in times if t <= kill]
+    after = [t for t in times if t > kill]
+    if not before or not after:
+        return None
+    window = [before[-1], *after]
+    return max(b - a for a, b in zip(window, window[1:], strict=False))
+
+
+def steps_lost(run: Run) -> int:
+    """Steps trained again after a rollback, plus steps trained without some rank's batch."""
+    seen: dict[int, set[int]] = {}
+    redone, partial = 0, set()
+    for r in run.steps:
+        step, rank = int(r["step"]), int(r["rank"])
+        if r.get("committed") is False:
+            continue
+        if r.get("participants", WORLD) < WORLD:
+            partial.add(step)
+        if step in seen.get(rank, set()) and rank != KILLED:
+            redone += 1
+        seen.setdefault(rank, set()).add(step)
+    return redone + len(partial)
+
+
+def goodput(run: Run) -> float:
+    """Useful steps per second of wall clock (a step counts by the share of the ranks'
+    batches it trained, once)."""
+    useful: dict[int, float] = {}
+    for r in run.steps:
+        if r.get("committed") is False:
+            continue
+        share = r.get("participants", WORLD) / WORLD
+        useful[int(r["step"])] = max(useful.get(int(r["step"]), 0.0), share)
+    return sum(useful.values()) / max(run.ended - run.launched, 1e-9)
+
+
+# ---- report ------------------------------------------------------------------------------------
+def versions() -> str:
+    names = ["torch", "torchft-nightly", "torchft", "nvidia-resiliency-ext", "matplotlib"]
+    found = []
+    for name in names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found.append(f"{name} {metadata.version(name)}")
+    return ", ".join(found)
+
+
+def plot(panels: list[tuple[str, list[Run]]], path: Path) -> bool:
+    """Steps completed against wall clock, one panel per workload, kills dotted."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e .[bench])", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (title, runs) in zip(axes[0], panels, strict=True):
+        for run in runs:
+            # torchft's steps count on rank 0 even without the other replica's batch
+            times = ([t for _s, t in finished(run, 0)] if run.system == "torchft"
+                     else full_world_times(run))  # fmt: skip
+            xs = [t - run.launched for t in times]
+            line = ax.step(xs, range(1, len(xs) + 1), where="post", label=run.system)[0]
+            for kill in run.kills:
+                ax.axvline(kill - run.launched, color=line.get_color(), linestyle=":", alpha=0.7)
+        ax.set_xlabel("wall clock since launch (s); dotted: kills")
+        ax.set_ylabel("steps completed")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=["gpt", "mlp"], default=["gpt", "mlp"])
+    parser.add_argument("--preset", default="tiny", help="the GPT's size (examples/train_gpt.py)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--step-sleep", type=float, default=0.2,
+                        help="seconds of sleep per step (the same in every system)")  # fmt: skip
+    parser.add_argument("--faults", type=int, default=3, help="kills in the goodput run")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="torchrun's checkpoint interval (0: ~2 %% of step time)")  # fmt: skip
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    if args.faults < 1 or args.steps < 4 * (args.faults + 1):
+        parser.error("--steps must leave at least 4 steps between faults")
+    if "plain" not in args.systems:
+        args.systems.insert(0, "plain")
+    if torch.cuda.is_available() and "nvrx" in args.systems:
+        if "--systems" in sys.argv:
+            parser.error("nvrx runs here on CPU only (gloo); leave it out on a GPU machine")
+        args.systems.remove("nvrx")
+    device = "h200x" + str(torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
+    work = Path(tempfile.mkdtemp(prefix="xmig-compare-"))
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results = []
+    for model in args.models:
+        workload = argparse.Namespace(**{**vars(args), "model": model})
+        runs = measure(workload, work)
+        results.append((workload, runs))
+    lines = report(args, results, started, device, work)
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / f"compare-{device}.png"
+    panels = [(f"{w.model}{' ' + w.preset if w.model == 'gpt' else ''}, {WORLD} ranks, "
+               f"{args.faults} kills",
+               [runs[(s, f"{args.faults} faults")] for s in args.systems if s != "plain"])
+              for w, runs in results]  # fmt: skip
+    if plot(panels, png):
+        lines += ["", f"![steps completed against wall clock]({png.name})"]
+    path = args.out / f"compare-{device}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}; runs in {work}")
+    return 0
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[tuple[str, str], Run]:
+    """Every system fault-free, with one kill and with ``args.faults`` kills, interleaved."""
+    bench = Bench(args, work)
+    runs: dict[tuple[str, str], Run] = {}
+    runs[("plain", "fault-free")] = bench.run("plain", "fault-free")
+    if args.checkpoint_every == 0:  # torchrun's interval: saves cost ~2 % of step time
+        probe = Bench(argparse.Namespace(**{**vars(args), "checkpoint_every": 1}), work)
+        saving = probe.run("torchrun", "fault-free")
+        per_step = step_time(runs[("plain", "fault-free")]) or 1.0
+        save = _save_seconds(work / f"{args.model}-torchrun-fault-free-checkpoints")
+        cost = max((step_time(saving) or per_step) - per_step, 0.0) if save is None else save
+        args.checkpoint_every = max(1, round(cost / (0.02 * per_step)))
+        print(f"{args.model}: a checkpoint costs {cost * 1e3:.1f} ms, a step "
+              f"{per_step * 1e3:.1f} ms: torchrun checkpoints every {args.checkpoint_every} "
+              "steps", flush=True)  # fmt: skip
+        bench = Bench(args, work)
+    for scenario in ("fault-free", "one fault", f"{args.faults} faults"):
+        for system in args.systems:  # interleaved: each scenario runs every system in turn
+            if system == "plain" and scenario != "fault-free":
+                continue  # nothing recovers it
+            if (system, scenario) not in runs:
+                runs[(system, scenario)] = bench.run(system, scenario)
+    return runs
+
+
+def _save_seconds(directory: Path) -> float | None:
+    saves = directory / "saves.jsonl"
+    if not saves.exists():
+        return None
+    seconds = [json.loads(line)["seconds"] for line in saves.read_text().splitlines() if line]
+    return statistics.median(seconds) if seconds else None
+
+
+def report(args: argparse.Namespace, results: list, started: str, device: str,
+           work: Path) -> list[str]:  # fmt: skip
+    lines = [
+        f"# Side by side ({device})",
+        "",
+        f"Measured {started}: `python bench/compare.py {' '.join(sys.argv[1:])}` on "
+        f"{machine()}; {versions()}. Workloads: the demo GPT (`--preset {args.preset}`) and "
+        f"the demo's MLP, `--batch-size {args.batch_size}`, {WORLD} ranks, {args.steps} steps, "
+        f"`--step-sleep {args.step_sleep}` in every system; every fault is a SIGKILL of rank "
+        f"{KILLED} mid-backward (one at step {args.steps // 2}; for goodput, {args.faults} at "
+        "fixed intervals). xmig: warm spares (`--hot-spares`, one per kill, as nvrx gets "
+        "spare processes), replay. torchrun: `--max-restarts`, a checkpoint "
+        "to local disk every K steps (K chosen so that saving costs about 2 % of step time), "
+        "reloaded on restart, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. torchft: FT-DDP, one "
+        "replica group per rank (`min_replica_size=1`), each under torchrun with "
+        "`--max-restarts`, its lighthouse on localhost. nvrx: nvidia-resiliency-ext's "
+        "`inprocess.Wrapper` (0.4.1), one spare process per kill (`FillGaps`, "
+        "`MaxActiveWorldSize`), the training function called again in the same processes, "
+        "reloading the checkpoint written every K steps (the same K as torchrun's). The systems "
+        "run in turn, scenario by scenario.",
+        "",
+        "| workload | system | step (ms) | vs plain DDP | survivor stall (s) | "
+        "kill → full world (s) | steps lost (1 kill) | bit-identical | "
+        f"goodput, {args.faults} kills (steps/s) | steps lost ({args.faults} kills) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, runs in results:
+        name = f"{workload.model} {workload.preset}" if workload.model == "gpt" else "mlp"
+        plain = runs[("plain", "fault-free")]
+        base = step_time(plain)
+        reference = {s: runs[(s, "fault-free")].params for s in args.systems}
+        for system in args.systems:
+            free = runs[(system, "fault-free")]
+            ms = step_time(free)
+            if system == "plain":
+                lines.append(f"| {name} | plain DDP (no fault tolerance) | "
+                             f"{fmt(ms and ms * 1e3, 1)} | 1.000 | - | - | - | - | "
+                             f"{fmt(goodput(free))} (no kills) | - |")  # fmt: skip
+                continue
+            one, many = runs[(system, "one fault")], runs[(system, f"{args.faults} faults")]
+            ratio = ms / base if ms and base else None
+            kill = one.kills[0] if one.kills else None
+            # the demo's own loop (plain, xmig, torchrun) must end where plain DDP ends
+            expected = reference["plain"] if system != "torchft" else reference[system]
+            same = all(r.params is not None and r.params == expected for r in (one, many))
+            label = (f"{system} (K={workload.checkpoint_every})" if system in ("torchrun", "nvrx")
+                     else system)  # fmt: skip
+            lines.append(
+                f"| {name} | {label} | {fmt(ms and ms * 1e3, 1)} | {fmt(ratio, 3)} | "
+                f"{fmt(survivor_stall(one, kill) if kill else None)} | "
+                f"{fmt(back_to_full(one, kill) if kill else None)} | {steps_lost(one)} | "
+                f"{'yes' if same else 'NO'} | {fmt(goodput(many))} ({len(many.kills)} kills) | "
+                f"{steps_lost(many)} |"
+            )
+    lines += [
+        "",
+        "How each column is read from the step lines every rank writes: step = median interval "
+        "between rank 0's steps after the warm-up, fault-free run; survivor stall = the longest "
+        "gap between two steps of rank 0 from its last step before the kill on; kill → full "
+        "world = until a step has been finished by every rank with every rank's batch in it; "
+        "steps lost = steps trained again after a rollback (torchrun, nvrx) plus steps trained "
+        "without the killed rank's batch (torchft); bit-identical = the final parameters of "
+        "both faulty runs equal to the fault-free run's (xmig, torchrun and nvrx against plain "
+        "DDP's, torchft against its own); goodput = useful steps (one without a rank's batch "
+        "counts by the share it trained) per second from launch to exit, start-up included.",
+        "",
+        "Exit codes: "
+        + "; ".join(
+            f"{w.model} " + ", ".join(f"{s}/{n}: {r.exit_code}" for (s, n), r in runs.items())
+            for w, runs in results
+        )
+        + ".",  # fmt: skip
+    ]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
