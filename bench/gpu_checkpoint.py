@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,7 +79,23 @@ def one(size: int, child_gpus: str | None, remap: dict[str, str], goal: str) -> 
     try:
         deadline = time.monotonic() + TIMEOUT_S
         assert child.stdout is not None and child.stdin is not None
-        if child.stdout.readline().strip() != "ready":
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        output = child.stdout
+
+        def pump() -> None:
+            for text in output:
+                lines.put(text)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+        def line() -> str:
+            """The child's next line, or an error at the time bound (it is killed below)."""
+            try:
+                return lines.get(timeout=max(0.1, deadline - time.monotonic())).strip()
+            except queue.Empty:
+                raise RuntimeError(f"the child said nothing within {TIMEOUT_S} s") from None
+
+        if line() != "ready":
             raise RuntimeError("the child did not start")
         before = gpu_of(child.pid)
         checkpoint = cuda.GpuCheckpoint(child.pid)
@@ -86,7 +104,7 @@ def one(size: int, child_gpus: str | None, remap: dict[str, str], goal: str) -> 
         checkpoint.load(remap)
         child.stdin.write("\n")
         child.stdin.flush()
-        verdict = child.stdout.readline().strip()
+        verdict = line()
         after = gpu_of(child.pid)
         if time.monotonic() > deadline:
             raise RuntimeError("over the time bound")
