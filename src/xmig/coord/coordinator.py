@@ -503,10 +503,14 @@ class Coordinator:
             recovery.recovered[rank] = data
             if recovery.plan is not None and set(recovery.recovered) >= recovery.expected:
                 record = recovery.record()
-                self.recoveries.append(record)
-                self.recovery = None
-                self.status = "running"
-                log(describe_recovery(record))
+                self._settled(self.recoveries, record, describe_recovery(record))
+
+    def _settled(self, records: list[dict[str, Any]], record: dict[str, Any], line: str) -> None:
+        """A recovery or migration has finished: keep its record, run on, say so."""
+        records.append(record)
+        self.recovery = self.migration = None
+        self.status = "running"
+        log(line)
 
     def _abort_recovery(self, reason: str) -> None:
         self._give_up("recovery impossible", reason)
@@ -654,10 +658,7 @@ class Coordinator:
             if len(m.resumed) == self.spec.world_size:
                 m.times["resumed"] = now
                 record = m.record()
-                self.migrations.append(record)
-                self.migration = None
-                self.status = "running"
-                log(describe_migration(record))
+                self._settled(self.migrations, record, describe_migration(record))
 
     def _abort_migration(self, reason: str) -> None:
         self._give_up("migration failed", reason)
