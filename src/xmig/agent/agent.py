@@ -106,6 +106,15 @@ class Spare:
 
 
 SPARE_DELAY_S = 5.0  # a new spare waits this long, so its start does not slow a recovery
+CORES_PER_PROCESS = 2  # cores a node needs per worker and spare to warm spares up beside them
+
+
+def spare_may_start(cores: int, workers: int, spares_wanted: int, workers_starting: bool) -> bool:
+    """Whether a spare may start its warm-up now. On a node with cores for every worker and
+    spare, spares warm up beside the starting workers (ready sooner, on a GPU node about the
+    time training begins); on a smaller one they wait until the workers are up, so as not to
+    slow the workers' own start."""
+    return not workers_starting or cores >= CORES_PER_PROCESS * (workers + spares_wanted)
 
 
 def describe_exit(returncode: int) -> tuple[str, str]:
@@ -556,8 +565,8 @@ class Agent:
         wanted = int(self.job.get("hot_spares", 0))
         if len(self.spares) >= wanted or time.monotonic() < self._spare_due:
             return
-        # the first spare starts once this node's workers are up, not while they import
-        if any(w.state == "starting" for w in self.workers.values()):
+        starting = any(w.state == "starting" for w in self.workers.values())
+        if not spare_may_start(len(os.sched_getaffinity(0)), len(self.workers), wanted, starting):
             return
         ready_r, ready_w = os.pipe()
         environ = self._base_environ()
