@@ -37,15 +37,12 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from recovery_cpu import DEMO, REPO, free_port, machine
+from recovery_cpu import DEMO, REPO, free_port, kill_tree, machine
 from recovery_cpu import bounded as run_bounded
 
 PEER_TORCHFT = REPO / "bench" / "peers" / "torchft_ddp.py"
 PEER_NVRX = REPO / "bench" / "peers" / "nvrx_inprocess.py"
 SYSTEMS = ("plain", "xmig", "torchrun", "torchft", "nvrx")
-WORLD = 2
-KILLED = 1  # the rank (replica group) every fault kills
-RUN_TIMEOUT_S = 900.0
 WARMUP_STEPS = 3
 
 
@@ -62,6 +59,9 @@ class Run:
     kills: list[float] = field(default_factory=list)
     params: str | None = None
     log: str = ""
+    recoveries: list[dict] = field(default_factory=list)  # xmig's, from its summary
+    world: int = 2  # ranks (torchft: replica groups)
+    killed: int = 1  # the rank every fault kills
 
 
 def read_events(path: Path) -> tuple[list[dict], list[float]]:
@@ -79,10 +79,10 @@ def read_events(path: Path) -> tuple[list[dict], list[float]]:
     return steps, sorted(kills)
 
 
-def bounded(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+def bounded(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> int:
     """One process group, bounded in time (-9 when it had to be killed)."""
     try:
-        return run_bounded(cmd, log, RUN_TIMEOUT_S, env)
+        return run_bounded(cmd, log, timeout, env)
     except RuntimeError as exc:  # the overrun, killed
         print(exc, file=sys.stderr)
         return -9
@@ -99,10 +99,10 @@ def start_all(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> li
     return procs
 
 
-def wait_all(procs: list) -> list[int]:
+def wait_all(procs: list, timeout: float) -> list[int]:
     """Their exit codes (-9 for one still running at the time bound); then every group that
     is left (monitor processes and the like) is killed."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     codes = []
     try:
         for proc in procs:
@@ -112,9 +112,7 @@ def wait_all(procs: list) -> list[int]:
                 codes.append(-9)
     finally:
         for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)
     return codes
 
 
@@ -151,15 +149,23 @@ class Bench:
         code = getattr(self, f"_{system}")(slug, events, log, faults)
         steps, kills = read_events(events)
         summary = self.work / f"{slug}.summary.json"
+        recoveries = []
         if summary.exists():  # xmig's faults are injected from outside the script
-            faults_seen = json.loads(summary.read_text()).get("faults", [])
+            record = json.loads(summary.read_text())
+            faults_seen, recoveries = record.get("faults", []), record.get("recoveries", [])
             kills = sorted(float(f["t_fault"]) for f in faults_seen if not f.get("secondary"))
-        run = Run(system, scenario, launched, time.time(), code, steps, kills, _sha(log), str(log))
+        run = Run(system, scenario, launched, time.time(), code, steps, kills, _sha(log), str(log),
+                  recoveries, self.args.nproc, self.args.kill_rank)  # fmt: skip
         print(f"{system:9s} {scenario:10s} exit {code} in {run.ended - launched:6.1f} s, "
               f"{len(kills)} kill(s), params {str(run.params)[:12]}", flush=True)  # fmt: skip
         return run
 
-    def _torchrun_cmd(self, restarts: int, script: Path, nproc: int = WORLD) -> list[str]:
+    def _deaths(self, faults: list[int]) -> list[str]:
+        """The scripts' own kills: one per attempt, of the killed rank at each fault step."""
+        return [x for step in faults for x in ("--die-at", f"{self.args.kill_rank}:{step}")]
+
+    def _torchrun_cmd(self, restarts: int, script: Path, nproc: int | None = None) -> list[str]:
+        nproc = self.args.nproc if nproc is None else nproc
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--max-restarts", str(restarts), "--monitor-interval", "0.1",
                 "--master-port", str(free_port()), str(script)]  # fmt: skip
@@ -167,35 +173,40 @@ class Bench:
     def _plain(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
         cmd = [*self._torchrun_cmd(0, DEMO), "--plain", *self.workload, "--events-file",
                str(events)]  # fmt: skip
-        return bounded(cmd, log, self.env)
+        return bounded(cmd, log, self.env, self.args.run_timeout)
 
     def _torchrun(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
         directory = self.work / f"{slug}-checkpoints"
         shutil.rmtree(directory, ignore_errors=True)
-        deaths = [x for step in faults for x in ("--die-at", f"{KILLED}:{step}")]
+        deaths = self._deaths(faults)
         cmd = [*self._torchrun_cmd(len(faults), DEMO), "--plain", *self.workload,
                "--checkpoint-dir", str(directory), "--checkpoint-every",
                str(self.args.checkpoint_every), *deaths, "--events-file", str(events)]  # fmt: skip
-        code = bounded(cmd, log, self.env)
+        code = bounded(cmd, log, self.env, self.args.run_timeout)
+        with contextlib.suppress(FileNotFoundError):  # what each save cost, kept
+            os.replace(directory / "saves.jsonl", self.work / f"{slug}.saves.jsonl")
         shutil.rmtree(directory, ignore_errors=True)
         return code
 
     def _xmig(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
-        kills = [f"kill:rank={KILLED}:step={step}:at=backward" for step in faults]
+        kills = [f"kill:rank={self.args.kill_rank}:step={step}:at=backward" for step in faults]
         injects = [x for kill in kills for x in ("--inject", kill)]
         summary = self.work / f"{slug}.summary.json"
         summary.unlink(missing_ok=True)
         # as many warm spares as nvrx gets spare processes: one per kill
         spares = ["--hot-spares", str(max(1, len(faults)))]
-        cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(WORLD), *spares,
+        cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(self.args.nproc),
+               *spares,
                *injects,
                "--summary", str(summary), str(DEMO), *self.workload, "--events-file",
                str(events)]  # fmt: skip
-        return bounded(cmd, log, self.env)
+        return bounded(cmd, log, self.env, self.args.run_timeout)
 
     def _torchft(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
         lighthouse_port = free_port()
-        lighthouse = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+        # beside this interpreter (a venv) or on PATH (packages installed with --target)
+        search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        lighthouse = shutil.which("torchft_lighthouse", path=search)
         if lighthouse is None:
             raise SystemExit("torchft is not installed: pip install -e .[bench]")
         with (self.work / f"{slug}-lighthouse.log").open("w") as out:
@@ -205,19 +216,23 @@ class Bench:
                  "--bind", f"127.0.0.1:{lighthouse_port}"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-        deaths = [x for step in faults for x in ("--die-at", f"{KILLED}:{step}")]
+        deaths = self._deaths(faults)
+        barrier = self.work / f"{slug}-barrier"
+        shutil.rmtree(barrier, ignore_errors=True)
         commands = []
-        for group in range(WORLD):
-            env = dict(self.env, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(WORLD),
+        for group in range(self.args.nproc):
+            env = dict(self.env, REPLICA_GROUP_ID=str(group),
+                       NUM_REPLICA_GROUPS=str(self.args.nproc),
                        TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lighthouse_port}")  # fmt: skip
             if torch.cuda.is_available():  # a GPU per replica group, as a rank has one
                 env["CUDA_VISIBLE_DEVICES"] = str(group)
             cmd = [*self._torchrun_cmd(len(faults), PEER_TORCHFT, nproc=1), *self.workload,
-                   *deaths, "--events-file", str(events)]  # fmt: skip
+                   *deaths, "--events-file", str(events),
+                   "--start-barrier", str(barrier)]  # fmt: skip
             cmd.remove("--quiet")
             commands.append((cmd, env))
         try:
-            return max(wait_all(start_all(commands, log)), key=abs)
+            return max(wait_all(start_all(commands, log), self.args.run_timeout), key=abs)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(beacon.pid, signal.SIGKILL)
@@ -225,24 +240,26 @@ class Bench:
 
     def _nvrx(self, slug: str, events: Path, log: Path, faults: list[int]) -> int:
         spares = max(1, len(faults))  # one spare process for each kill
-        total = WORLD + spares
+        total = self.args.nproc + spares
         port, store_port = free_port(), free_port()
         directory = self.work / f"{slug}-checkpoints"
         shutil.rmtree(directory, ignore_errors=True)
-        deaths = [x for step in faults for x in ("--die-at", f"{KILLED}:{step}")]
+        deaths = self._deaths(faults)
         commands = []
         for rank in range(total):
             # one thread per process, as torchrun and xmig give every worker
             env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(total), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port),
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # fmt: skip
-            cmd = [sys.executable, str(PEER_NVRX), "--active", str(WORLD), "--store-port",
+            cmd = [sys.executable, str(PEER_NVRX), "--active", str(self.args.nproc),
+                   "--store-port",
                    str(store_port), *self.workload, "--checkpoint-dir", str(directory),
                    "--checkpoint-every", str(self.args.checkpoint_every), *deaths,
                    "--events-file", str(events)]  # fmt: skip
             commands.append((cmd, env))
         try:
-            return wait_all(start_all(commands, log))[0]  # the first rank is never killed
+            codes = wait_all(start_all(commands, log), self.args.run_timeout)
+            return codes[0]  # the first rank is never killed
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -266,11 +283,11 @@ def full_world_steps(run: Run) -> list[tuple[float, float]]:
     every rank's batch in it (a step trained again counts by its last lines), by time."""
     done: dict[int, dict[int, float]] = {}
     for r in run.steps:
-        if r.get("participants", WORLD) < WORLD or r.get("committed") is False:
+        if r.get("participants", run.world) < run.world or r.get("committed") is False:
             continue
         done.setdefault(int(r["step"]), {})[int(r["rank"])] = float(r["t"])
     spans = [(min(ranks.values()), max(ranks.values())) for ranks in done.values()
-             if len(ranks) == WORLD]  # fmt: skip
+             if len(ranks) == run.world]  # fmt: skip
     return sorted(spans, key=lambda span: span[1])
 
 
@@ -288,7 +305,7 @@ def back_to_full(run: Run, kill: float) -> float | None:
 
 def survivor_stall(run: Run, kill: float) -> float | None:
     """The longest gap between two steps of a surviving rank around the kill."""
-    survivor = 0 if KILLED != 0 else 1
+    survivor = 0 if run.killed != 0 else 1
     times = [t for _s, t in finished(run, survivor)]
     before = [t for t in times if t <= kill]
     after = [t for t in times if t > kill]
@@ -306,9 +323,9 @@ def steps_lost(run: Run) -> int:
         step, rank = int(r["step"]), int(r["rank"])
         if r.get("committed") is False:
             continue
-        if r.get("participants", WORLD) < WORLD:
+        if r.get("participants", run.world) < run.world:
             partial.add(step)
-        if step in seen.get(rank, set()) and rank != KILLED:
+        if step in seen.get(rank, set()) and rank != run.killed:
             redone += 1
         seen.setdefault(rank, set()).add(step)
     return redone + len(partial)
@@ -321,14 +338,14 @@ def goodput(run: Run) -> float:
     for r in run.steps:
         if r.get("committed") is False:
             continue
-        share = r.get("participants", WORLD) / WORLD
+        share = r.get("participants", run.world) / run.world
         useful[int(r["step"])] = max(useful.get(int(r["step"]), 0.0), share)
     return sum(useful.values()) / max(run.ended - run.launched, 1e-9)
 
 
 # ---- report ------------------------------------------------------------------------------------
 def versions() -> str:
-    names = ["torch", "torchft-nightly", "torchft", "nvidia-resiliency-ext", "matplotlib"]
+    names = ["torchft-nightly", "torchft", "nvidia-resiliency-ext", "matplotlib"]
     found = []
     for name in names:
         with contextlib.suppress(metadata.PackageNotFoundError):
@@ -359,7 +376,8 @@ def plot(panels: list[tuple[str, list[Run]]], path: Path) -> bool:
         ax.set_xlabel("wall clock since launch (s); dotted: kills")
         ax.set_ylabel("steps completed")
         ax.set_title(title)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -382,8 +400,26 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="torchrun's checkpoint interval (0: ~2 %% of step time)")  # fmt: skip
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="ranks (torchft: replica groups; on a GPU machine, one GPU each)",
+    )
+    parser.add_argument("--kill-rank", type=int, default=1, help="the rank every fault kills")
+    parser.add_argument("--run-timeout", type=float, default=900.0,
+                        help="seconds one system's run may take before it is killed")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
+    if args.run_timeout <= 0:
+        parser.error("--run-timeout must be positive")
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2: a fault needs a survivor")
+    if not 0 <= args.kill_rank < args.nproc:
+        parser.error(f"--kill-rank must be a rank of 0..{args.nproc - 1}")
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} GPUs, "
+                     "one per rank")  # fmt: skip
     if args.faults < 1 or args.steps < 4 * (args.faults + 1):
         parser.error("--steps must leave at least 4 steps between faults")
     if "plain" not in args.systems:
@@ -395,36 +431,51 @@ def main() -> int:
     device = "h200x" + str(torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="xmig-compare-"))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    results = []
-    for model in args.models:
-        workload = argparse.Namespace(**{**vars(args), "model": model})
-        runs = measure(workload, work)
-        results.append((workload, runs))
+    results: list[tuple[argparse.Namespace, dict[tuple[str, str], Run]]] = []
+    interrupted = None
+    signal.signal(signal.SIGTERM, _interrupt)  # a time limit's SIGTERM: report what ran
+    try:
+        for model in args.models:
+            workload = argparse.Namespace(**{**vars(args), "model": model})
+            results.append((workload, {}))
+            measure(workload, work, results[-1][1])
+    except KeyboardInterrupt as exc:
+        interrupted = str(exc) or "SIGINT"
+        print(f"interrupted ({interrupted}): reporting the runs that finished", file=sys.stderr)
     lines = report(args, results, started, device, work)
+    if interrupted:
+        lines += ["", f"**Interrupted by {interrupted}**: rows with `-` were not run."]
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"compare-{device}.png"
-    panels = [(f"{w.model}{' ' + w.preset if w.model == 'gpt' else ''}, {WORLD} ranks, "
+    panels = [(f"{w.model}{' ' + w.preset if w.model == 'gpt' else ''}, {args.nproc} ranks, "
                f"{args.faults} kills",
-               [runs[(s, f"{args.faults} faults")] for s in args.systems if s != "plain"])
+               [runs[(s, f"{args.faults} faults")] for s in args.systems
+                if (s, f"{args.faults} faults") in runs])
               for w, runs in results]  # fmt: skip
     if plot(panels, png):
         lines += ["", f"![steps completed against wall clock]({png.name})"]
     path = args.out / f"compare-{device}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}; runs in {work}")
-    return 0
+    return 1 if interrupted else 0
 
 
-def measure(args: argparse.Namespace, work: Path) -> dict[tuple[str, str], Run]:
-    """Every system fault-free, with one kill and with ``args.faults`` kills, interleaved."""
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def measure(args: argparse.Namespace, work: Path, runs: dict[tuple[str, str], Run]) -> None:
+    """Every system fault-free, with one kill and with ``args.faults`` kills, interleaved,
+    into ``runs`` as they finish."""
     bench = Bench(args, work)
-    runs: dict[tuple[str, str], Run] = {}
     runs[("plain", "fault-free")] = bench.run("plain", "fault-free")
     if args.checkpoint_every == 0:  # torchrun's interval: saves cost ~2 % of step time
-        probe = Bench(argparse.Namespace(**{**vars(args), "checkpoint_every": 1}), work)
+        # a few steps, each saving: a save of a large model takes seconds
+        short = {"checkpoint_every": 1, "steps": min(args.steps, WARMUP_STEPS)}
+        probe = Bench(argparse.Namespace(**{**vars(args), **short}), work)
         saving = probe.run("torchrun", "fault-free")
         per_step = step_time(runs[("plain", "fault-free")]) or 1.0
-        save = _save_seconds(work / f"{args.model}-torchrun-fault-free-checkpoints")
+        save = _save_seconds(work / f"{args.model}-torchrun-fault-free.saves.jsonl")
         cost = max((step_time(saving) or per_step) - per_step, 0.0) if save is None else save
         args.checkpoint_every = max(1, round(cost / (0.02 * per_step)))
         print(f"{args.model}: a checkpoint costs {cost * 1e3:.1f} ms, a step "
@@ -437,11 +488,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[tuple[str, str], Run]:
                 continue  # nothing recovers it
             if (system, scenario) not in runs:
                 runs[(system, scenario)] = bench.run(system, scenario)
-    return runs
 
 
-def _save_seconds(directory: Path) -> float | None:
-    saves = directory / "saves.jsonl"
+def _save_seconds(saves: Path) -> float | None:
     if not saves.exists():
         return None
     seconds = [json.loads(line)["seconds"] for line in saves.read_text().splitlines() if line]
@@ -450,24 +499,39 @@ def _save_seconds(directory: Path) -> float | None:
 
 def report(args: argparse.Namespace, results: list, started: str, device: str,
            work: Path) -> list[str]:  # fmt: skip
+    described = {
+        "xmig": "xmig: warm spares (`--hot-spares`, one per kill, as nvrx gets spare "
+        "processes), replay.",
+        "torchrun": "torchrun: `--max-restarts`, a checkpoint to local disk every K steps (K "
+        "chosen so that saving costs about 2 % of step time, unless `--checkpoint-every` is "
+        "given), reloaded on restart, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`.",
+        "torchft": "torchft: FT-DDP, one replica group per rank (`min_replica_size=1`), each "
+        "under torchrun with `--max-restarts`, its lighthouse on localhost.",
+        "nvrx": "nvrx: nvidia-resiliency-ext's `inprocess.Wrapper`, one spare process per "
+        "kill (`FillGaps`, `MaxActiveWorldSize`), the training function called again in the "
+        "same processes, reloading the checkpoint written every K steps (the same K as "
+        "torchrun's).",
+    }
+    models = " and ".join(
+        f"the demo GPT (`--preset {args.preset}`)" if m == "gpt" else "the demo's MLP"
+        for m in args.models
+    )
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        where = (f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}, one GPU per "
+                 f"rank, NCCL {nccl}; {machine()}")  # fmt: skip
+    else:
+        where = f"{machine()}, gloo"
     lines = [
         f"# Side by side ({device})",
         "",
-        f"Measured {started}: `python bench/compare.py {' '.join(sys.argv[1:])}` on "
-        f"{machine()}; {versions()}. Workloads: the demo GPT (`--preset {args.preset}`) and "
-        f"the demo's MLP, `--batch-size {args.batch_size}`, {WORLD} ranks, {args.steps} steps, "
-        f"`--step-sleep {args.step_sleep}` in every system; every fault is a SIGKILL of rank "
-        f"{KILLED} mid-backward (one at step {args.steps // 2}; for goodput, {args.faults} at "
-        "fixed intervals). xmig: warm spares (`--hot-spares`, one per kill, as nvrx gets "
-        "spare processes), replay. torchrun: `--max-restarts`, a checkpoint "
-        "to local disk every K steps (K chosen so that saving costs about 2 % of step time), "
-        "reloaded on restart, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. torchft: FT-DDP, one "
-        "replica group per rank (`min_replica_size=1`), each under torchrun with "
-        "`--max-restarts`, its lighthouse on localhost. nvrx: nvidia-resiliency-ext's "
-        "`inprocess.Wrapper` (0.4.1), one spare process per kill (`FillGaps`, "
-        "`MaxActiveWorldSize`), the training function called again in the same processes, "
-        "reloading the checkpoint written every K steps (the same K as torchrun's). The systems "
-        "run in turn, scenario by scenario.",
+        f"Measured {started}: `python bench/compare.py {' '.join(sys.argv[1:])}` on {where}; "
+        f"{versions()}. Workloads: {models}, `--batch-size {args.batch_size}`, "
+        f"{args.nproc} ranks, {args.steps} steps, `--step-sleep {args.step_sleep}` in every "
+        f"system; every fault is a SIGKILL of rank {args.kill_rank} mid-backward (one at step "
+        f"{args.steps // 2}; for goodput, {args.faults} at fixed intervals). "
+        + " ".join(described[s] for s in args.systems if s in described)
+        + " The systems run in turn, scenario by scenario.",
         "",
         "| workload | system | step (ms) | vs plain DDP | survivor stall (s) | "
         "kill → full world (s) | steps lost (1 kill) | bit-identical | "
@@ -475,38 +539,13 @@ def report(args: argparse.Namespace, results: list, started: str, device: str,
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, runs in results:
-        name = f"{workload.model} {workload.preset}" if workload.model == "gpt" else "mlp"
-        plain = runs[("plain", "fault-free")]
-        base = step_time(plain)
-        reference = {s: runs[(s, "fault-free")].params for s in args.systems}
-        for system in args.systems:
-            free = runs[(system, "fault-free")]
-            ms = step_time(free)
-            if system == "plain":
-                lines.append(f"| {name} | plain DDP (no fault tolerance) | "
-                             f"{fmt(ms and ms * 1e3, 1)} | 1.000 | - | - | - | - | "
-                             f"{fmt(goodput(free))} (no kills) | - |")  # fmt: skip
-                continue
-            one, many = runs[(system, "one fault")], runs[(system, f"{args.faults} faults")]
-            ratio = ms / base if ms and base else None
-            kill = one.kills[0] if one.kills else None
-            # the demo's own loop (plain, xmig, torchrun) must end where plain DDP ends
-            expected = reference["plain"] if system != "torchft" else reference[system]
-            same = all(r.params is not None and r.params == expected for r in (one, many))
-            label = (f"{system} (K={workload.checkpoint_every})" if system in ("torchrun", "nvrx")
-                     else system)  # fmt: skip
-            lines.append(
-                f"| {name} | {label} | {fmt(ms and ms * 1e3, 1)} | {fmt(ratio, 3)} | "
-                f"{fmt(survivor_stall(one, kill) if kill else None)} | "
-                f"{fmt(back_to_full(one, kill) if kill else None)} | {steps_lost(one)} | "
-                f"{'yes' if same else 'NO'} | {fmt(goodput(many))} ({len(many.kills)} kills) | "
-                f"{steps_lost(many)} |"
-            )
+        lines += [_row(args, workload, runs, system) for system in args.systems]
     lines += [
         "",
         "How each column is read from the step lines every rank writes: step = median interval "
         "between rank 0's steps after the warm-up, fault-free run; survivor stall = the longest "
-        "gap between two steps of rank 0 from its last step before the kill on; kill → full "
+        "gap between two steps of the first surviving rank from its last step before the kill "
+        "on; kill → full "
         "world = until a step has been finished by every rank with every rank's batch in it; "
         "steps lost = steps trained again after a rollback (torchrun, nvrx) plus steps trained "
         "without the killed rank's batch (torchft); bit-identical = the final parameters of "
@@ -521,7 +560,54 @@ def report(args: argparse.Namespace, results: list, started: str, device: str,
         )
         + ".",  # fmt: skip
     ]
+    spared = [
+        f"{w.model} {n}: " + ", ".join(_recovery(r) for r in run.recoveries)
+        for w, runs in results for (s, n), run in runs.items() if s == "xmig" and run.recoveries
+    ]  # fmt: skip
+    if spared:
+        lines += ["", "xmig's recoveries (its own record, fault to the step trained again): "
+                  + "; ".join(spared) + "."]  # fmt: skip
     return lines
+
+
+def _recovery(record: dict) -> str:
+    spare = all(record.get("from_spare") or [False])
+    return f"{record['total_s']:.2f} s ({'hot spare' if spare else 'cold start'})"
+
+
+def _row(args: argparse.Namespace, workload: argparse.Namespace,
+         runs: dict[tuple[str, str], Run], system: str) -> str:  # fmt: skip
+    """One system's line of the table; `-` where a run is missing (an interrupted
+    comparison)."""
+    name = f"{workload.model} {workload.preset}" if workload.model == "gpt" else "mlp"
+    plain, free = runs.get(("plain", "fault-free")), runs.get((system, "fault-free"))
+    base, ms = (step_time(plain) if plain else None), (step_time(free) if free else None)
+    if system == "plain":
+        return (
+            f"| {name} | plain DDP (no fault tolerance) | {fmt(ms and ms * 1e3, 1)} | "
+            f"1.000 | - | - | - | - | {fmt(free and goodput(free))} (no kills) | - |"
+        )
+    one = runs.get((system, "one fault"))
+    many = runs.get((system, f"{args.faults} faults"))
+    ratio = ms / base if ms and base else None
+    kill = one.kills[0] if one and one.kills else None
+    # the demo's own loop (plain, xmig, torchrun, nvrx) must end where plain DDP ends
+    expected = (plain if system != "torchft" else free) or None
+    faulty = [r for r in (one, many) if r is not None]
+    if expected is None or expected.params is None or not faulty:
+        same = "-"
+    else:
+        same = "yes" if all(r.params == expected.params for r in faulty) else "NO"
+    label = (f"{system} (K={workload.checkpoint_every})" if system in ("torchrun", "nvrx")
+             else system)  # fmt: skip
+    return (
+        f"| {name} | {label} | {fmt(ms and ms * 1e3, 1)} | {fmt(ratio, 3)} | "
+        f"{fmt(survivor_stall(one, kill) if one and kill else None)} | "
+        f"{fmt(back_to_full(one, kill) if one and kill else None)} | "
+        f"{steps_lost(one) if one else '-'} | {same} | "
+        f"{fmt(many and goodput(many))} ({len(many.kills) if many else '-'} kills) | "
+        f"{steps_lost(many) if many else '-'} |"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ fault-free run. Every run is bounded in time and its process group killed if it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -23,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,16 +50,34 @@ def free_port() -> int:
 
 def bounded(cmd: list[str], log: Path, timeout: float = RUN_TIMEOUT_S,
             env: dict[str, str] | None = None) -> int:  # fmt: skip
-    """Run ``cmd`` in its own process group; kill the group if it overruns."""
+    """Run ``cmd`` in its own process group; kill the group if it overruns (or when the
+    caller is interrupted while it waits)."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)  # fmt: skip
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)
             raise RuntimeError(f"{' '.join(cmd)} overran {timeout:.0f} s; see {log}") from None
+        except BaseException:
+            kill_tree(proc)
+            raise
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group and every process descended from it (torchrun starts
+    its workers in sessions of their own), then reap ``proc``."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    proc.wait()
 
 
 def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2) -> dict:

@@ -11,10 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import compare  # noqa: E402
 
 
-def _run(system, lines, kills=(), launched=0.0, ended=None):
+def _run(system, lines, kills=(), launched=0.0, ended=None, world=2, killed=1):
     ended = ended if ended is not None else max(r["t"] for r in lines) + 1.0
     return compare.Run(system, "x", launched, ended, 0, sorted(lines, key=lambda r: r["t"]),
-                       sorted(kills))  # fmt: skip
+                       sorted(kills), world=world, killed=killed)  # fmt: skip
 
 
 def _steps(rank, steps, start, every, **extra):
@@ -57,6 +57,22 @@ def test_steps_without_a_ranks_batch_are_lost_and_count_by_their_share():
     assert compare.back_to_full(run, 0.55) == pytest.approx(2.0 - 0.55)
     assert compare.goodput(run) == pytest.approx((4 + 4 * 0.5 + 2) / 3.0)
     assert compare.full_world_times(run)[:4] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_four_ranks_count_a_step_only_when_all_four_trained_it():
+    # rank 2 of 4 killed at 1.05 s; ranks 0, 1, 3 wait; all four train step 10 at 3.0 s
+    lines = [line for rank in range(4) for line in _steps(rank, range(10), 0.1, 0.1)]
+    lines += [line for rank in (0, 1, 3) for line in _steps(rank, [10], 3.0, 0.1)]
+    lines += _steps(2, [10], 3.2, 0.1)  # the replacement is the last to finish step 10
+    run = _run("xmig", lines, kills=[1.05], world=4, killed=2)
+    assert compare.back_to_full(run, 1.05) == pytest.approx(3.2 - 1.05)
+    assert compare.survivor_stall(run, 1.05) == pytest.approx(3.0 - 1.0)
+    assert compare.steps_lost(run) == 0
+    assert compare.goodput(run) == pytest.approx(11 / run.ended)
+    # without the replacement's line, three ranks' step 10 is not a full-world step
+    partial = [line for line in lines if not (line["rank"] == 2 and line["step"] == 10)]
+    assert compare.back_to_full(_run("xmig", partial, kills=[1.05], world=4, killed=2),
+                                1.05) is None  # fmt: skip
 
 
 def test_fault_steps_are_spread_evenly():

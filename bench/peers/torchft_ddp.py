@@ -38,6 +38,20 @@ def demo_module():
     return module
 
 
+def start_together(directory: Path, group: int, groups: int, limit_s: float = 300.0) -> None:
+    """Wait until every replica group has reached this point (a file each in ``directory``).
+    Without it, a group whose start-up is seconds faster forms a quorum of one
+    (``min_replica_size=1``) and trains alone before the other joins."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"ready-{group}").touch()
+    deadline = time.monotonic() + limit_s
+    while len(list(directory.glob("ready-*"))) < groups:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replica group {group}: the other groups were not ready in "
+                             f"{limit_s:.0f} s")  # fmt: skip
+        time.sleep(0.01)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -48,6 +62,9 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--events-file")
+    parser.add_argument("--start-barrier", metavar="DIR",
+                        help="the replica groups' first attempts start training together: "
+                             "each waits here until every group has its model")  # fmt: skip
     parser.add_argument("--die-at", metavar="GROUP:STEP", action="append", default=[],
                         help="SIGKILL mid-backward; the i-th in the i-th attempt")  # fmt: skip
     args = parser.parse_args()
@@ -74,6 +91,8 @@ def main() -> int:
     model, batch = demo.build_model(args.model, args.preset, args.seed, args.batch_size,
                                     "cuda:0" if gpu else "cpu")  # fmt: skip
 
+    if args.start_barrier and attempt == 0:
+        start_together(Path(args.start_barrier), group, groups)
     timeout = timedelta(seconds=10)
     pg = ProcessGroupNCCL(timeout=timeout) if gpu else ProcessGroupGloo(timeout=timeout)
     optimizer_holder: list[torch.optim.Optimizer] = []
