@@ -316,8 +316,10 @@ def survivor_stall(run: Run, kill: float) -> float | None:
 
 
 def steps_lost(run: Run) -> int:
-    """Steps trained again after a rollback, plus steps trained without some rank's batch."""
-    seen: dict[int, set[int]] = {}
+    """Steps trained again after a rollback (as the first surviving rank saw them: every rank
+    redoes the same steps), plus steps trained without some rank's batch."""
+    survivor = 0 if run.killed != 0 else 1
+    seen: set[int] = set()
     redone, partial = 0, set()
     for r in run.steps:
         step, rank = int(r["step"]), int(r["rank"])
@@ -325,9 +327,9 @@ def steps_lost(run: Run) -> int:
             continue
         if r.get("participants", run.world) < run.world:
             partial.add(step)
-        if step in seen.get(rank, set()) and rank != run.killed:
-            redone += 1
-        seen.setdefault(rank, set()).add(step)
+        if rank == survivor:
+            redone += step in seen
+            seen.add(step)
     return redone + len(partial)
 
 
@@ -428,7 +430,14 @@ def main() -> int:
         if "--systems" in sys.argv:
             parser.error("nvrx runs here on CPU only (gloo); leave it out on a GPU machine")
         args.systems.remove("nvrx")
+    if args.nproc > 2 and "nvrx" in args.systems and "--systems" not in sys.argv:
+        # its fault-free result at 4 ranks left plain DDP's at the second step (cause unknown)
+        print("nvrx is left out: its peer is checked against plain DDP at 2 ranks only "
+              "(name it in --systems to run it anyway)", file=sys.stderr)  # fmt: skip
+        args.systems.remove("nvrx")
     device = "h200x" + str(torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and args.nproc != 2:
+        device = f"cpu-{args.nproc}ranks"
     work = Path(tempfile.mkdtemp(prefix="xmig-compare-"))
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results: list[tuple[argparse.Namespace, dict[tuple[str, str], Run]]] = []

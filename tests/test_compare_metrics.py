@@ -69,6 +69,9 @@ def test_four_ranks_count_a_step_only_when_all_four_trained_it():
     assert compare.survivor_stall(run, 1.05) == pytest.approx(3.0 - 1.0)
     assert compare.steps_lost(run) == 0
     assert compare.goodput(run) == pytest.approx(11 / run.ended)
+    # a rollback of all four ranks by 3 steps loses 3 steps, not 3 per rank
+    again = [line for rank in range(4) for line in _steps(rank, range(7, 10), 5.0, 0.1)]
+    assert compare.steps_lost(_run("torchrun", lines + again, world=4, killed=2)) == 3
     # without the replacement's line, three ranks' step 10 is not a full-world step
     partial = [line for line in lines if not (line["rank"] == 2 and line["step"] == 10)]
     assert compare.back_to_full(_run("xmig", partial, kills=[1.05], world=4, killed=2),

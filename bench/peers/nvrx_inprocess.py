@@ -15,30 +15,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from demo import demo_module
 from torch.nn.parallel import DistributedDataParallel
 
-REPO = Path(__file__).resolve().parents[2]
 _STORE: list[Any] = []  # the function's own store, made once per process
-
-
-def demo_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_gpt", REPO / "examples" / "train_gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_args() -> argparse.Namespace:

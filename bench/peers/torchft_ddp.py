@@ -15,7 +15,6 @@ committed) and, at the end, the parameters' SHA-256 (``final params sha256 …``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -25,17 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def demo_module():
-    spec = importlib.util.spec_from_file_location("train_gpt", REPO / "examples" / "train_gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
+from demo import demo_module
 
 
 def start_together(directory: Path, group: int, groups: int, limit_s: float = 300.0) -> None:
