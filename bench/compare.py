@@ -478,14 +478,21 @@ def measure(args: argparse.Namespace, work: Path, runs: dict[tuple[str, str], Ru
     into ``runs`` as they finish."""
     bench = Bench(args, work)
     runs[("plain", "fault-free")] = bench.run("plain", "fault-free")
-    if args.checkpoint_every == 0:  # torchrun's interval: saves cost ~2 % of step time
+    checkpointing = {"torchrun", "nvrx"} & set(args.systems)
+    if args.checkpoint_every == 0 and checkpointing:  # the interval: saves cost ~2 % of a step
+        plain = runs[("plain", "fault-free")]
+        per_step = step_time(plain)
+        if per_step is None:
+            raise SystemExit(f"plain DDP gave no step time (exit {plain.exit_code}; see "
+                             f"{plain.log}): no checkpoint interval can be chosen")  # fmt: skip
         # a few steps, each saving: a save of a large model takes seconds
         short = {"checkpoint_every": 1, "steps": min(args.steps, WARMUP_STEPS)}
         probe = Bench(argparse.Namespace(**{**vars(args), **short}), work)
         saving = probe.run("torchrun", "fault-free")
-        per_step = step_time(runs[("plain", "fault-free")]) or 1.0
-        save = _save_seconds(work / f"{args.model}-torchrun-fault-free.saves.jsonl")
-        cost = max((step_time(saving) or per_step) - per_step, 0.0) if save is None else save
+        cost = _save_seconds(work / f"{args.model}-torchrun-fault-free.saves.jsonl")
+        if cost is None:
+            raise SystemExit(f"the checkpoint probe recorded no save (exit {saving.exit_code}; "
+                             f"see {saving.log}): pass --checkpoint-every")  # fmt: skip
         args.checkpoint_every = max(1, round(cost / (0.02 * per_step)))
         print(f"{args.model}: a checkpoint costs {cost * 1e3:.1f} ms, a step "
               f"{per_step * 1e3:.1f} ms: torchrun checkpoints every {args.checkpoint_every} "
@@ -601,7 +608,7 @@ def _row(args: argparse.Namespace, workload: argparse.Namespace,
     ratio = ms / base if ms and base else None
     kill = one.kills[0] if one and one.kills else None
     # the demo's own loop (plain, xmig, torchrun, nvrx) must end where plain DDP ends
-    expected = (plain if system != "torchft" else free) or None
+    expected = plain if system != "torchft" else free
     faulty = [r for r in (one, many) if r is not None]
     if expected is None or expected.params is None or not faulty:
         same = "-"
