@@ -10,19 +10,34 @@ messages without an ``id`` are one-way notices (pushes).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
+import logging
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from hashlib import sha256
 from typing import Any
 
 PROTOCOL = "xmig/1"
 MAX_FRAME = 64 << 20
+# Before the token is proven only the small handshake frames are read: a stranger must not
+# make a process buffer up to MAX_FRAME.
+MAX_HANDSHAKE_FRAME = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_PENDING_HANDSHAKES = 64
+ACCEPT_BACKOFF_S = (0.05, 1.0)
+
+# accept() errors that concern only the connection being accepted: retry at once
+_ACCEPT_PER_CONNECTION = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
+# accept() errors that mean the listening socket itself is gone
+_ACCEPT_FATAL = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 
@@ -65,17 +80,33 @@ class Connection:
         self._send_lock = threading.Lock()
         self.closed = False
 
-    def send(self, msg: Message) -> None:
+    def _arm(self, deadline: float | None) -> None:
+        """Let the next socket operation wait only until ``deadline`` (monotonic)."""
+        if deadline is None:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WireError("handshake timed out")
+        try:
+            self.sock.settimeout(left)
+        except OSError as exc:
+            raise WireError(f"connection unusable: {exc}") from exc
+
+    def send(self, msg: Message, deadline: float | None = None) -> None:
+        """Send one frame; with ``deadline``, give up when it passes."""
         data = json.dumps(msg, separators=(",", ":")).encode()
         with self._send_lock:
+            self._arm(deadline)
             try:
                 self.sock.sendall(struct.pack("!I", len(data)) + data)
             except OSError as exc:
                 raise WireError(f"send failed: {exc}") from exc
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _recv_exact(self, n: int, deadline: float | None = None) -> bytes:
         buf = bytearray()
         while len(buf) < n:
+            # re-armed before every receive: a peer dripping bytes must not extend the deadline
+            self._arm(deadline)
             try:
                 chunk = self.sock.recv(n - len(buf))
             except OSError as exc:
@@ -85,13 +116,14 @@ class Connection:
             buf += chunk
         return bytes(buf)
 
-    def recv(self) -> Message:
-        (size,) = struct.unpack("!I", self._recv_exact(4))
-        if size > MAX_FRAME:
-            raise WireError(f"frame of {size} bytes exceeds the limit")
+    def recv(self, limit: int = MAX_FRAME, deadline: float | None = None) -> Message:
+        """Receive one frame of at most ``limit`` bytes; with ``deadline``, only until then."""
+        (size,) = struct.unpack("!I", self._recv_exact(4, deadline))
+        if size > limit:
+            raise WireError(f"frame of {size} bytes exceeds the limit of {limit}")
         try:
-            msg = json.loads(self._recv_exact(size))
-        except ValueError as exc:
+            msg = json.loads(self._recv_exact(size, deadline))
+        except (ValueError, RecursionError) as exc:  # deep nesting overflows the parser
             raise WireError("peer sent a frame that is not JSON") from exc
         if not isinstance(msg, dict):
             raise WireError("peer sent a frame that is not an object")
@@ -104,26 +136,58 @@ class Connection:
         self.sock.close()
 
 
-def server_handshake(conn: Connection, token: str) -> Message:
-    """The server's half of the mutual challenge; returns the client's info."""
-    nonce = os.urandom(16).hex()
-    conn.send({"hello": PROTOCOL, "nonce": nonce})
-    answer = conn.recv()
-    if not hmac.compare_digest(str(answer.get("mac", "")), _mac(token, b"client|", nonce)):
-        conn.send({"error": "authentication failed: wrong job token"})
-        raise AuthError("client failed authentication")
-    conn.send({"mac": _mac(token, b"server|", str(answer.get("nonce", "")))})
+@contextlib.contextmanager
+def _keeping_timeout(conn: Connection) -> Iterator[None]:
+    """Restore the socket's timeout after a handshake that armed its own deadlines."""
+    previous = conn.sock.gettimeout()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            conn.sock.settimeout(previous)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def server_handshake(
+    conn: Connection, token: str, timeout: float | None = HANDSHAKE_TIMEOUT_S
+) -> Message:
+    """The server's half of the mutual challenge; returns the client's info.
+
+    The whole exchange must end within ``timeout`` seconds (None: no bound), and the client's
+    frames may not exceed MAX_HANDSHAKE_FRAME.
+    """
+    deadline = _deadline(timeout)
+    with _keeping_timeout(conn):
+        nonce = os.urandom(16).hex()
+        conn.send({"hello": PROTOCOL, "nonce": nonce}, deadline)
+        answer = conn.recv(MAX_HANDSHAKE_FRAME, deadline)
+        if not hmac.compare_digest(str(answer.get("mac", "")), _mac(token, b"client|", nonce)):
+            conn.send({"error": "authentication failed: wrong job token"}, deadline)
+            raise AuthError("client failed authentication")
+        conn.send({"mac": _mac(token, b"server|", str(answer.get("nonce", "")))}, deadline)
     return answer.get("info") or {}
 
 
-def client_handshake(conn: Connection, token: str, info: Message) -> None:
-    """The client's half of the mutual challenge (raises AuthError on a wrong token)."""
-    hello = conn.recv()
-    if hello.get("hello") != PROTOCOL:
-        raise WireError(f"peer does not speak {PROTOCOL}")
-    nonce = os.urandom(16).hex()
-    conn.send({"nonce": nonce, "mac": _mac(token, b"client|", str(hello["nonce"])), "info": info})
-    reply = conn.recv()
+def client_handshake(
+    conn: Connection, token: str, info: Message, timeout: float | None = None
+) -> None:
+    """The client's half of the mutual challenge (raises AuthError on a wrong token).
+
+    With ``timeout`` the whole exchange must end within that many seconds; without it only the
+    socket's own timeout applies. The server's frames may not exceed MAX_HANDSHAKE_FRAME.
+    """
+    deadline = _deadline(timeout)
+    with _keeping_timeout(conn):
+        hello = conn.recv(MAX_HANDSHAKE_FRAME, deadline)
+        if hello.get("hello") != PROTOCOL or "nonce" not in hello:
+            raise WireError(f"peer does not speak {PROTOCOL}")
+        nonce = os.urandom(16).hex()
+        mac = _mac(token, b"client|", str(hello["nonce"]))
+        conn.send({"nonce": nonce, "mac": mac, "info": info}, deadline)
+        reply = conn.recv(MAX_HANDSHAKE_FRAME, deadline)
     if "error" in reply:
         raise AuthError(str(reply["error"]))
     if not hmac.compare_digest(str(reply.get("mac", "")), _mac(token, b"server|", nonce)):
@@ -155,6 +219,9 @@ class Server:
     ``handler(peer, msg)`` answers requests (its return value becomes the reply; an exception
     becomes an error reply) and receives notices (its return value is dropped).
     ``on_close(peer)`` is called once when a client's connection ends.
+    A client must finish the handshake within ``handshake_timeout`` seconds; at most
+    ``max_pending_handshakes`` connections may be in their handshake at once, and further ones
+    are closed on arrival (counted in ``refused_handshakes``).
     """
 
     def __init__(
@@ -165,14 +232,25 @@ class Server:
         handler: Handler,
         on_close: Callable[[Peer], None] | None = None,
         name: str = "xmig",
+        *,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
         self._token = token
         self._handler = handler
         self._on_close = on_close
         self._name = name
+        self._handshake_timeout = handshake_timeout
+        self._max_pending = max_pending_handshakes
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self.refused_handshakes = 0
+        self._refused_unlogged = 0
+        self._refused_logged_at = float("-inf")
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.address = self._sock.getsockname()[:2]
         self._stopped = False
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._accept_loop, name=f"{name}-accept", daemon=True
         )
@@ -183,28 +261,88 @@ class Server:
 
     def close(self) -> None:
         self._stopped = True
+        self._wake.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
     def _accept_loop(self) -> None:
+        backoff = 0.0
         while not self._stopped:
             try:
                 sock, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(
-                target=self._serve, args=(sock,), name=f"{self._name}-conn", daemon=True
-            ).start()
+            except OSError as exc:
+                if self._stopped:
+                    return
+                if exc.errno in _ACCEPT_FATAL:
+                    log.error(
+                        "%s: the listening socket failed, no more clients: %s", self._name, exc
+                    )
+                    return
+                if exc.errno in _ACCEPT_PER_CONNECTION:
+                    log.debug("%s: accept dropped a connection: %s", self._name, exc)
+                    continue
+                # out of descriptors or memory: the backlog waits until some are freed
+                backoff = min(max(backoff * 2, ACCEPT_BACKOFF_S[0]), ACCEPT_BACKOFF_S[1])
+                log.warning("%s: accept failed (%s); retrying in %.2f s", self._name, exc, backoff)
+                self._wake.wait(backoff)
+                continue
+            backoff = 0.0
+            if not self._admit():
+                self._refuse(sock)
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve, args=(sock,), name=f"{self._name}-conn", daemon=True
+                ).start()
+            except RuntimeError as exc:  # no thread to spare: drop this client, keep serving
+                self._release()
+                sock.close()
+                log.warning("%s: cannot serve a connection: %s", self._name, exc)
+                self._wake.wait(ACCEPT_BACKOFF_S[0])
+
+    def _admit(self) -> bool:
+        with self._pending_lock:
+            if self._pending >= self._max_pending:
+                return False
+            self._pending += 1
+            return True
+
+    def _release(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def _refuse(self, sock: socket.socket) -> None:
+        sock.close()
+        self.refused_handshakes += 1
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if now - self._refused_logged_at >= 1.0:  # a flood must not flood the log too
+            log.warning(
+                "%s: refused %d connection(s): already %d pending handshakes",
+                self._name,
+                self._refused_unlogged,
+                self._max_pending,
+            )
+            self._refused_unlogged = 0
+            self._refused_logged_at = now
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = Connection(sock)
+        info: Message | None = None
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            info = server_handshake(conn, self._token)
+            conn = Connection(sock)
+            info = server_handshake(conn, self._token, self._handshake_timeout)
             sock.settimeout(None)
-        except (WireError, OSError, KeyError, TypeError):
-            conn.close()
+        except Exception as exc:  # whatever a stranger sends, it only costs its connection
+            log.debug("%s: handshake failed: %s", self._name, exc)
+            info = None
+        finally:
+            # released before the socket closes, so a peer that sees the close can retry at once
+            self._release()
+        if info is None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
             return
         peer = Peer(conn, info)
         try:
@@ -244,8 +382,12 @@ class Client:
         except OSError as exc:
             raise WireError(f"cannot reach {address[0]}:{address[1]}: {exc}") from exc
         self.conn = Connection(sock)
-        client_handshake(self.conn, token, info or {})
-        sock.settimeout(None)
+        try:
+            client_handshake(self.conn, token, info or {}, timeout=connect_timeout)
+            sock.settimeout(None)
+        except BaseException:
+            self.conn.close()
+            raise
         self._on_push = on_push
         self._on_close = on_close
         self._next_id = 0
