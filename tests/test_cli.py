@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from helpers import DEMO, xmig
+from helpers import DEMO, run, xmig
 
 
 def _one_line_error(proc, *needles):
@@ -94,3 +94,70 @@ def test_bad_migrate_injections(spec, needle):
 
 def test_spare_nodes_must_not_be_negative():
     _one_line_error(xmig("run", "--spare-nodes", "-1", str(DEMO)), "--spare-nodes")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["run", "--nproc-per-node", "abc", str(DEMO)], ["--nproc-per-node", "integer"]),
+        (["run", "--heartbeat-timeout", "x", str(DEMO)], ["--heartbeat-timeout", "number"]),
+        (["run", "--no-such-option", str(DEMO)], ["no such option", "--no-such-option"]),
+        (["status", "--no-such-option"], ["--no-such-option"]),
+        (["--no-such-option"], ["--no-such-option"]),
+        (["no-such-command"], ["no-such-command"]),
+        (["run"], ["script"]),
+    ],
+)
+def test_what_the_parser_refuses_is_one_line(args, needles):
+    """Whichever click raised it (typer's own or click), a parse error is one line, code 2."""
+    _one_line_error(xmig(*args), *needles)
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "needles"),
+    [
+        ("1:2", ["--nnodes 1:2", "elastic node ranges", "not supported yet"]),
+        ("a:b", ["--nnodes", "'a:b'"]),
+        ("2:1", ["--nnodes", "'2:1'"]),
+        ("1:1:1", ["--nnodes", "'1:1:1'"]),
+        ("0:0", ["--nnodes", "at least 1"]),
+    ],
+)
+def test_bad_nnodes_ranges(nnodes, needles):
+    _one_line_error(xmig("run", "--nnodes", nnodes, str(DEMO)), *needles)
+
+
+@pytest.mark.parametrize("spelling", [["--nnodes", "2:2"], ["--nnodes=2:2"], ["--nnodes", "2"]])
+def test_nnodes_min_equal_max_means_n(spelling):
+    # the error names the nodes the job would have: 0..1, so N:N gave two nodes
+    proc = xmig("run", *spelling, "--inject", "migrate:rank=0:step=1:to=5", str(DEMO))
+    _one_line_error(proc, "node 5 does not exist", "nodes 0..1")
+
+
+def test_standalone_is_one_node():
+    _one_line_error(
+        xmig("run", "--standalone", "--nnodes", "2", str(DEMO)), "--standalone", "--nnodes 2"
+    )
+
+
+def test_torchrun_spellings_are_accepted(tmp_path):
+    """torchrun's own option names run the job as xmig's do."""
+    script = tmp_path / "env.py"
+    script.write_text(
+        "import os, sys\n"
+        "names = ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')\n"
+        "with open(os.path.join(sys.argv[1], 'env-' + os.environ['RANK']), 'w') as out:\n"
+        "    out.write(' '.join(os.environ[n] for n in names))\n"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run(
+        ["--standalone", "--nnodes=1:1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), "--hot-spares", "0", str(script), str(tmp_path)],
+        tmp_path,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.output
+    seen = sorted(f.read_text() for f in tmp_path.glob("env-*"))
+    assert seen == [f"{rank} 2 127.0.0.1 {port}" for rank in range(2)]

@@ -21,6 +21,8 @@ GENERATION = "XMIG_GENERATION"
 KEEP_LOG = "XMIG_KEEP_LOG"
 RECOVERY_TIMEOUT = "XMIG_RECOVERY_TIMEOUT"
 
+ROLE_NAME = "default"  # torchrun's one role
+
 
 @dataclass
 class WorkerEnv:
@@ -41,6 +43,12 @@ class WorkerEnv:
     keep_log: bool = True
     recovery_timeout: float = 120.0
     faults: list[FaultSpec] = field(default_factory=list)
+    # job-wide numbers torchrun also hands its workers; left out of the environment when unknown
+    nnodes: int | None = None
+    local_world_size: int | None = None
+    # torchrun's restarts of the whole worker group, which xmig never does: a fault stops a
+    # script without xmig, and an xmig script's ranks are replaced one by one instead
+    max_restarts: int = 0
 
     @property
     def replacement(self) -> bool:
@@ -53,6 +61,7 @@ class WorkerEnv:
         return self.agent_addr is not None
 
     def to_environ(self) -> dict[str, str]:
+        """torchrun's variables (so a script written for torchrun runs unchanged) and xmig's."""
         env = {
             "RANK": str(self.rank),
             "LOCAL_RANK": str(self.local_rank),
@@ -61,6 +70,14 @@ class WorkerEnv:
             "MASTER_PORT": str(self.master_port),
             NODE_RANK: str(self.node_rank),
             "GROUP_RANK": str(self.node_rank),
+            "ROLE_NAME": ROLE_NAME,
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            # every rank is a client of the store the coordinator hosts on MASTER_PORT: with
+            # this, env:// in dist.init_process_group() does not try to host it on rank 0
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(self.attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             HEARTBEAT_INTERVAL: str(self.heartbeat_interval),
             ATTEMPT: str(self.attempt),
             GENERATION: str(self.generation),
@@ -68,8 +85,13 @@ class WorkerEnv:
             RECOVERY_TIMEOUT: str(self.recovery_timeout),
             INJECT: json.dumps([f.to_json() for f in self.faults]),
         }
+        if self.nnodes is not None:
+            env["GROUP_WORLD_SIZE"] = str(self.nnodes)
+        if self.local_world_size is not None:
+            env["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
         if self.job_id:
             env[JOB_ID] = self.job_id
+            env["TORCHELASTIC_RUN_ID"] = self.job_id
         if self.token:
             env[TOKEN] = self.token
         if self.agent_addr:
@@ -96,4 +118,11 @@ class WorkerEnv:
             keep_log=env.get(KEEP_LOG, "1") != "0",
             recovery_timeout=float(env.get(RECOVERY_TIMEOUT, "120")),
             faults=faults,
+            nnodes=_int_or_none(env.get("GROUP_WORLD_SIZE")),
+            local_world_size=_int_or_none(env.get("LOCAL_WORLD_SIZE")),
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
         )
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return None if text is None else int(text)

@@ -51,13 +51,35 @@ def run(
     script_args: Annotated[
         list[str] | None, typer.Argument(help="Arguments passed to the script.")
     ] = None,
-    nnodes: Annotated[int, typer.Option(help="Number of nodes (agents).")] = 1,
-    nproc_per_node: Annotated[int, typer.Option(help="Workers (ranks) per node.")] = 1,
-    master_addr: Annotated[str, typer.Option(help="Address of the coordinator's store.")] = (
-        "127.0.0.1"
-    ),
+    nnodes: Annotated[
+        str,
+        typer.Option(
+            metavar="N",
+            help="Number of nodes (agents); torchrun's N:N means N (an elastic MIN:MAX range "
+            "is not supported yet).",
+        ),
+    ] = "1",
+    standalone: Annotated[
+        bool,
+        typer.Option(
+            "--standalone",
+            help="As torchrun's: one node with a local store, which is what xmig does anyway.",
+        ),
+    ] = False,
+    nproc_per_node: Annotated[
+        int, typer.Option("--nproc-per-node", "--nproc_per_node", help="Workers (ranks) per node.")
+    ] = 1,
+    master_addr: Annotated[
+        str,
+        typer.Option("--master-addr", "--master_addr", help="Address of the coordinator's store."),
+    ] = "127.0.0.1",
     master_port: Annotated[
-        int, typer.Option(help="Port of the coordinator's c10d store; 0 picks a free one.")
+        int,
+        typer.Option(
+            "--master-port",
+            "--master_port",
+            help="Port of the coordinator's c10d store; 0 picks a free one.",
+        ),
     ] = 0,
     inject: Annotated[
         list[str] | None,
@@ -115,9 +137,12 @@ def run(
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
+        if script.startswith("-"):  # an option we do not know, taken for the script's name
+            raise click.UsageError(f"no such option: {script}")
         raise click.UsageError(f"script not found: {script}")
-    if nnodes < 1:
-        raise click.UsageError(f"--nnodes must be at least 1, got {nnodes}")
+    nodes = _parse_nnodes(nnodes)
+    if standalone and nodes > 1:
+        raise click.UsageError(f"--standalone means one node; it cannot go with --nnodes {nnodes}")
     if nproc_per_node < 1:
         raise click.UsageError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
     if not 0 <= master_port <= 65535:
@@ -142,21 +167,21 @@ def run(
         except HostSetupError as exc:
             raise click.UsageError(str(exc)) from None
     try:
-        faults = parse_faults(inject or [], nnodes * nproc_per_node)
+        faults = parse_faults(inject or [], nodes * nproc_per_node)
     except FaultSpecError as exc:
         raise click.UsageError(f"bad --inject: {exc}") from None
     for fault in faults:
-        if fault.to is not None and fault.to >= nnodes + spare_nodes:
+        if fault.to is not None and fault.to >= nodes + spare_nodes:
             raise click.UsageError(
                 f"bad --inject: node {fault.to} does not exist in {fault} "
-                f"(nodes 0..{nnodes + spare_nodes - 1})"
+                f"(nodes 0..{nodes + spare_nodes - 1})"
             )
     spec = JobSpec(
         job_id=time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex(),
         script=str(Path(script).resolve()),
         args=list(script_args or []),
         cwd=os.getcwd(),
-        nnodes=nnodes,
+        nnodes=nodes,
         nproc_per_node=nproc_per_node,
         master_addr=master_addr,
         master_port=master_port,
@@ -176,6 +201,25 @@ def run(
     except LaunchError as exc:
         raise click.UsageError(str(exc)) from None
     raise typer.Exit(code)
+
+
+def _parse_nnodes(text: str) -> int:
+    """``--nnodes``: N, or torchrun's MIN:MAX with MIN == MAX."""
+    parts = text.split(":")
+    try:
+        least, most = int(parts[0]), int(parts[-1])
+    except ValueError:
+        least, most = 0, -1
+    if len(parts) > 2 or most < least:
+        raise click.UsageError(f"--nnodes must be N or MIN:MAX, got {text!r}")
+    if least < 1:
+        raise click.UsageError(f"--nnodes must be at least 1, got {text}")
+    if least != most:
+        raise click.UsageError(
+            f"--nnodes {text}: elastic node ranges (MIN < MAX) are not supported yet; give one "
+            "number of nodes"
+        )
+    return least
 
 
 def _connect(job: str | None, coord: str | None, token: str | None) -> Client:
@@ -269,16 +313,27 @@ def status_cmd(job: JobOpt = None, coord: CoordOpt = None, token: TokenOpt = Non
     )
 
 
+# newer typer raises the exceptions of a click of its own, our commands raise click's:
+# catch both families (they are the same classes where typer has no click of its own)
+_USER_ERRORS: tuple[type[Exception], ...] = (
+    click.ClickException,
+    getattr(typer, "TyperException", click.ClickException),
+)
+_EXITS: tuple[type[Exception], ...] = (click.exceptions.Exit, typer.Exit)
+_ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: errors in what the user typed are one line and exit code 2."""
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="xmig", standalone_mode=False)
-    except click.exceptions.Exit as exc:
-        code = exc.exit_code
-    except click.ClickException as exc:
-        print(f"xmig: error: {exc.format_message()}", file=sys.stderr)
+    except _EXITS as exc:
+        code = getattr(exc, "exit_code", 1)
+    except _USER_ERRORS as exc:
+        message = getattr(exc, "format_message", exc.__str__)()
+        print(f"xmig: error: {message}", file=sys.stderr)
         code = 2
-    except click.exceptions.Abort:
+    except _ABORTS:
         code = 130
     sys.exit(code if isinstance(code, int) else 0)

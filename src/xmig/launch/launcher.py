@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import select
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from xmig.coord.job import JobSpec
 from xmig.coord.migration import job_images
 from xmig.jobenv import JOB_ID, TOKEN
@@ -26,6 +29,11 @@ from xmig.wire import Client, WireError, parse_address
 
 COORDINATOR_START_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 15.0
+# create_time() adds the boot time, which the kernel derives from the wall clock: a clock
+# step moves it, by a second or so under NTP, so a start time matches within this
+START_TIME_TOLERANCE_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 class LaunchError(Exception):
@@ -43,10 +51,52 @@ class JobFile:
     coordinator: str
     token: str
     launcher_pid: int
+    launcher_started: float | None = None  # the launcher's create_time(), against PID reuse
 
     @classmethod
     def load(cls, path: Path) -> JobFile:
         return cls(**json.loads(path.read_text()))
+
+    def is_live(self) -> bool:
+        """Whether the launcher that wrote this file still runs."""
+        try:
+            proc = psutil.Process(self.launcher_pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return False
+            started = proc.create_time()
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.AccessDenied:
+            return True  # someone's process: cannot tell, so keep the file
+        if self.launcher_started is None:  # written before start times were recorded
+            return True
+        return abs(started - self.launcher_started) <= START_TIME_TOLERANCE_S
+
+
+def _live_job(path: Path) -> JobFile | None:
+    """The job a file names if its launcher still runs; None for a stale or unreadable file."""
+    try:
+        job = JobFile.load(path)
+        live = job.is_live()
+    except (OSError, ValueError, TypeError):
+        return None
+    return job if live else None
+
+
+def remove_stale_jobs(folder: Path | None = None) -> list[Path]:
+    """Remove the job files whose launcher is gone (SIGKILLed): they hold a job's token."""
+    folder = jobs_dir() if folder is None else folder
+    removed = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if _live_job(path) is None:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # not ours to remove: it must not stop this job's start
+                log.warning("cannot remove the stale job file %s: %s", path, exc)
+                continue
+            removed.append(path)
+            log.info("removed the stale job file %s", path)
+    return removed
 
 
 def find_job(job_id: str | None) -> JobFile:
@@ -54,21 +104,26 @@ def find_job(job_id: str | None) -> JobFile:
     folder = jobs_dir()
     if job_id:
         path = folder / f"{job_id}.json"
-        if not path.exists():
+        job = _live_job(path) if path.exists() else None
+        if job is None:
             raise LaunchError(f"no running job {job_id!r} (looked in {folder})")
-        return JobFile.load(path)
+        return job
     found = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    live = []
-    for path in found:
-        job = JobFile.load(path)
-        if os.path.exists(f"/proc/{job.launcher_pid}"):
-            live.append(job)
+    live = [job for job in map(_live_job, found) if job is not None]
     if not live:
         raise LaunchError(f"no running xmig job found (looked in {folder})")
     if len(live) > 1:
         names = ", ".join(j.job_id for j in live)
         raise LaunchError(f"several jobs are running ({names}): pick one with --job")
     return live[0]
+
+
+def uses_xmig(script: str) -> bool:
+    """Whether the script's text mentions xmig at all (unreadable: assume it does)."""
+    try:
+        return "xmig" in Path(script).read_text(errors="replace")
+    except OSError:
+        return True
 
 
 def _read_ready_line(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
@@ -103,6 +158,7 @@ class Launcher:
         self._result_ready = threading.Event()
         self._interrupted: str | None = None
         self.hosts: SimulatedHosts | None = None
+        self._plain = not uses_xmig(spec.script)  # a script for torchrun, not adapted to xmig
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -176,7 +232,10 @@ class Launcher:
         folder = jobs_dir()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = folder / f"{self.spec.job_id}.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # written aside and renamed: another launcher's clean-up must never see it half written
+        # (an unreadable job file counts as stale)
+        partial = folder / f".{self.spec.job_id}.json.partial"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump(
                 {
@@ -184,9 +243,11 @@ class Launcher:
                     "coordinator": address,
                     "token": self.token,
                     "launcher_pid": os.getpid(),
+                    "launcher_started": psutil.Process().create_time(),
                 },
                 out,
             )
+        os.replace(partial, path)
         self.job_file = path
 
     def _on_push(self, msg: dict[str, Any]) -> None:
@@ -209,6 +270,7 @@ class Launcher:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            remove_stale_jobs()
             self._create_hosts()
             address = self._start_coordinator()
             self._start_agents(address)
@@ -229,6 +291,14 @@ class Launcher:
                 file=sys.stderr,
                 flush=True,
             )
+            if self._plain:
+                print(
+                    f"xmig: note: {Path(self.spec.script).name} does not use xmig: it runs as "
+                    "under torchrun, without fault handling (a fault stops the job); to adapt "
+                    'it, call xmig.init() (README, "The worker side")',
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._result_ready.wait()
             summary = self._result
             if summary is None:
@@ -240,10 +310,13 @@ class Launcher:
                     flush=True,
                 )
                 return 1
-            self._report(summary)
             code = int(summary["exit_code"])
             if self._interrupted and summary["status"] != "completed":
                 code = 130
+            # the summary says what the launcher returns
+            summary["exit_code"] = code
+            summary["interrupted"] = self._interrupted
+            self._report(summary)
             return code
         finally:
             self._shutdown()
@@ -255,7 +328,20 @@ class Launcher:
             self.summary_path.parent.mkdir(parents=True, exist_ok=True)
             self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         head = f"xmig: job {summary['job_id']}"
-        if summary["status"] == "completed":
+        if summary["status"] == "completed" and summary["steps"] is None:
+            # rank 0 reported no steps: nothing was protected, which must not pass unnoticed
+            why = (
+                "no rank called xmig.init()"
+                if self._plain
+                else "rank 0 reported no steps (xmig.init(), then session.steps())"
+            )
+            print(
+                f"{head} completed on {summary['world_size']} ranks in "
+                f"{summary['duration_s']:.1f} s without fault handling: {why}",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif summary["status"] == "completed":
             print(
                 f"{head} completed: {summary['steps']} steps on {summary['world_size']} "
                 f"ranks in {summary['duration_s']:.1f} s; final params sha256 "

@@ -1,0 +1,183 @@
+"""The launcher's side of a job: scripts written for torchrun, interrupts, job files, reports."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from xmig.jobenv import WorkerEnv
+from xmig.launch.launcher import LaunchError, find_job
+
+from helpers import finish_run, run, start_run
+
+NOTE = "does not use xmig"
+
+# a DDP script as written for torchrun, knowing nothing of xmig
+TORCHRUN_SCRIPT = """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} done", flush=True)
+    dist.destroy_process_group()
+"""
+
+SLEEPER = """
+    import time
+    time.sleep(600)
+"""
+
+
+def _script(tmp_path, body, name="worker.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _final_line(result):
+    return [line for line in result.output.splitlines() if line.startswith("xmig: job ")][-1]
+
+
+def test_worker_environment_is_torchruns():
+    env = WorkerEnv(rank=3, local_rank=1, world_size=4, master_addr="h", master_port=29500,
+                    job_id="j1", node_rank=1, attempt=2, nnodes=2, local_world_size=2)  # fmt: skip
+    environ = env.to_environ()
+    expected = {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ROLE_NAME": "default",
+        "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "j1",
+    }  # fmt: skip
+    assert {k: environ[k] for k in expected} == expected
+    assert WorkerEnv.from_environ(environ) == env
+    # what is not known is left out, not guessed
+    bare = WorkerEnv(rank=0, local_rank=0, world_size=1, master_addr="h", master_port=1)
+    assert not {"GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"} & set(bare.to_environ())
+
+
+def test_a_torchrun_script_runs_unchanged(tmp_path):
+    """env:// on rank 0 would host the store on MASTER_PORT, which the coordinator holds:
+    as under torchrun, every rank is a client of the agent side's store."""
+    script = _script(tmp_path, TORCHRUN_SCRIPT, "plain_ddp.py")
+    result = run(["--nproc-per-node", "2", "--hot-spares", "0", script], tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "rank 0 of 2 done" in result.output and "rank 1 of 2 done" in result.output
+    notes = [line for line in result.output.splitlines() if NOTE in line]
+    assert len(notes) == 1, result.output
+    assert notes[0].startswith("xmig: note: plain_ddp.py") and "xmig.init()" in notes[0]
+
+
+def test_a_plain_script_is_reported_without_fault_handling(tmp_path):
+    script = _script(tmp_path, "import time\ntime.sleep(0.1)\n")
+    result = run([script], tmp_path, timeout=60)
+    assert result.returncode == 0, result.output
+    line = _final_line(result)
+    assert "completed on 1 ranks in" in line, line
+    assert "without fault handling: no rank called xmig.init()" in line
+    assert "None" not in line
+
+
+def test_an_xmig_script_without_steps_is_reported_without_fault_handling(tmp_path):
+    # it mentions xmig, so no note at the start, but it never reported steps
+    script = _script(tmp_path, "# meant for xmig, not adapted yet\n")
+    result = run([script], tmp_path, timeout=60)
+    assert result.returncode == 0, result.output
+    assert NOTE not in result.output
+    line = _final_line(result)
+    assert "without fault handling: rank 0 reported no steps" in line and "None" not in line
+
+
+def test_sigterm_exit_code_is_in_the_summary(tmp_path):
+    proc = start_run(["--nproc-per-node", "2", "--hot-spares", "0",
+                      _script(tmp_path, SLEEPER)], tmp_path)  # fmt: skip
+    jobs = tmp_path / "jobs"
+    _wait_for(lambda: jobs.is_dir() and list(jobs.glob("*.json")), 60, "the job file")
+    proc.send_signal(signal.SIGTERM)
+    result = finish_run(proc, tmp_path, timeout=60)  # also: nothing of the job is left
+    assert result.returncode == 130, result.output
+    assert result.summary["exit_code"] == 130
+    assert result.summary["interrupted"] == "SIGTERM"
+    assert "; exit code 130" in result.output
+    assert not list(jobs.glob("*.json"))
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def _job_file(folder, name, **fields):
+    data = {"job_id": name, "coordinator": "127.0.0.1:1", "token": "t", **fields}
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def jobs(tmp_path, monkeypatch):
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    monkeypatch.setenv("XMIG_JOBS_DIR", str(folder))
+    return folder
+
+
+def _stale_and_live(folder):
+    me = psutil.Process()
+    stale = [
+        _job_file(folder, "dead", launcher_pid=_dead_pid(), launcher_started=time.time()),
+        _job_file(folder, "dead-old-format", launcher_pid=_dead_pid()),
+        # a live PID, but of a process started at another time: the PID was reused
+        _job_file(folder, "reused", launcher_pid=me.pid, launcher_started=me.create_time() - 60),
+    ]
+    garbage = folder / "garbage.json"
+    garbage.write_text("{not json")
+    stale.append(garbage)
+    live = _job_file(folder, "live", launcher_pid=me.pid, launcher_started=me.create_time())
+    return stale, live
+
+
+def test_find_job_skips_stale_files(jobs):
+    stale, live = _stale_and_live(jobs)
+    assert find_job(None).job_id == "live"
+    assert find_job("live").launcher_pid == os.getpid()
+    for path in stale:
+        with pytest.raises(LaunchError, match="no running job"):
+            find_job(path.stem)
+    live.unlink()
+    with pytest.raises(LaunchError, match="no running xmig job"):
+        find_job(None)
+
+
+def test_a_start_removes_stale_job_files(tmp_path, jobs):
+    """A SIGKILLed launcher leaves its job file (with the job's token): the next start removes
+    it, and never a live job's."""
+    stale, live = _stale_and_live(jobs)
+    result = run([_script(tmp_path, "pass\n")], tmp_path, timeout=60)
+    assert result.returncode == 0, result.output
+    assert sorted(p.name for p in jobs.iterdir()) == [live.name]
