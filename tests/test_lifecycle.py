@@ -53,6 +53,33 @@ SLEEPER = """
 """
 
 
+SPAWNER = """
+    import os, subprocess, sys
+    out = sys.argv[1]
+    child = subprocess.Popen(["sleep", "600"])
+    name = f"child-{os.environ['RANK']}-{os.environ['XMIG_ATTEMPT']}"
+    open(os.path.join(out, name), "w").write(str(child.pid))
+    sys.path.insert(0, os.path.dirname(sys.argv[2]))
+    import train_gpt
+    train_gpt.main(sys.argv[3:])
+"""
+
+
+def test_children_of_workers_end_with_them(tmp_path):
+    """Processes a worker starts end with it: those of a rank killed by a fault at its
+    recovery, the others' when the job ends (as torchrun kills each worker's group)."""
+    script = _script(tmp_path, SPAWNER)
+    job = ["--nproc-per-node", "2", "--inject", "kill:rank=1:step=2:at=backward", script,
+           str(tmp_path), str(DEMO), "--steps", "5", "--quiet"]  # fmt: skip
+    result = run(job, tmp_path)
+    assert result.returncode == 0, result.output
+    children = {f.name: int(f.read_text()) for f in tmp_path.glob("child-*")}
+    assert set(children) == {"child-0-0", "child-1-0", "child-1-1"}
+    left = [pid for pid in children.values() if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+    assert not left, f"children of workers outlived the job: {left}"
+
+
 def test_plain_script_exit_code(tmp_path):
     script = _script(
         tmp_path,

@@ -42,6 +42,36 @@ def stop_process(proc: subprocess.Popen, grace: float) -> None:
         proc.wait()
 
 
+def kill_group(pid: int, sig: int) -> None:
+    """Signal the process group that ``pid`` leads: a worker and every process it started
+    that stayed in its group (as torchrun's ``close()`` does). Only ``pid`` itself when it
+    leads no group of its own, so that the caller's own group is never hit."""
+    try:
+        pgid = os.getpgid(pid)
+        if pgid == pid and pgid != os.getpgrp():
+            os.killpg(pgid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

@@ -7,6 +7,7 @@ import ctypes
 import json
 import os
 import queue
+import select
 import selectors
 import shutil
 import signal
@@ -22,7 +23,7 @@ from xmig.agent.spare import READY_FD as SPARE_READY_FD
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
 from xmig.migrate import criu, cuda, netif, stream
-from xmig.procs import die_with_parent
+from xmig.procs import die_with_parent, group_members, kill_group
 from xmig.wire import Client, Peer, Server, WireError, format_address
 
 
@@ -140,6 +141,10 @@ class Agent:
         self.token = token
         self.node_rank = node_rank
         self.workers: dict[int, Worker] = {}
+        # processes of replaced workers that have not exited yet (still watched, then reaped)
+        self.retired: list[Worker] = []
+        # what dead workers had started, adopted by this agent (child subreaper): reaped here
+        self._orphans: set[int] = set()
         self.fired: dict[int, list[dict[str, Any]]] = {}  # injected faults already carried out
         self.spares: list[Spare] = []
         self._dump_orders: dict[int, dict[str, Any]] = {}
@@ -246,6 +251,8 @@ class Agent:
                     self._spare_ready(key.data)
                 else:
                     self._reap(key.data)
+            if self._orphans:
+                self._reap_orphans()
             while True:
                 try:
                     kind, data = self._events.get_nowait()
@@ -332,7 +339,7 @@ class Agent:
         worker = self.workers[rank]
         if result["ok"]:
             if worker.state != "exited":
-                self._reap(rank)  # CRIU ended it; its PID must be free for the restore
+                self._reap(worker)  # CRIU ended it; its PID must be free for the restore
             del self.workers[rank]
         self._notify("dumped", rank=rank, node=self.node_rank, pid=worker.pid, **result)
 
@@ -386,7 +393,7 @@ class Agent:
             for fd in inherit:
                 os.close(fd)
         worker.pidfd = os.pidfd_open(pid)
-        self._selector.register(worker.pidfd, selectors.EVENT_READ, rank)
+        self._selector.register(worker.pidfd, selectors.EVENT_READ, worker)
         self._notify("restored", rank=rank, node=self.node_rank, ok=True, pid=pid,
                      restore_s=took, gpu_restore_s=gpu_s, transfer_s=transfer_s,
                      gpu_times=gpu_times, to_gpu=target,
@@ -400,9 +407,10 @@ class Agent:
             self.coord.call("node_dying", node=self.node_rank, fault=fault, t=t, timeout=5.0)
         print(f"xmig: node {self.node_rank} going down (injected {fault['kind']} fault)",
               file=sys.stderr, flush=True)  # fmt: skip
-        for process in [*(w.proc for w in self.workers.values()), *(s.proc for s in self.spares)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
+        for worker in [*self.workers.values(), *self.retired]:
+            kill_group(worker.pid, signal.SIGKILL)
+        for spare in self.spares:
+            kill_group(spare.proc.pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _handle_event(self, kind: str, data: Any) -> int | None:
@@ -440,7 +448,7 @@ class Agent:
         elif kind == "forward":
             op, fields = data
             self._notify(op, **fields)
-        elif kind in ("park", "rebuild", "abort", "pause", "resume"):
+        elif kind in ("park", "rebuild", "abort", "pause", "resume", "release"):
             for worker in self.workers.values():
                 if worker.peer is not None and worker.state in ("running", "done"):
                     worker.peer.push(data)
@@ -461,6 +469,12 @@ class Agent:
         elif kind == "respawn":
             rank = int(data["rank"])
             old = self.workers.get(rank)
+            if old is not None and old.state != "exited":
+                # a replaced process must be gone (one that reported an error may still be
+                # exiting); it stays watched until it is reaped
+                old.state = "faulted"
+                kill_group(old.pid, signal.SIGKILL)
+                self.retired.append(old)
             known = self.fired.setdefault(rank, [])
             known.extend(f for f in data.get("fired", []) if f not in known)
             self._spawn(
@@ -519,6 +533,8 @@ class Agent:
             keep_log=bool(job.get("keep_log", True)),
             recovery_timeout=float(job.get("recovery_timeout", 120.0)),
             faults=faults,
+            nnodes=int(job["nnodes"]),
+            local_world_size=int(job["nproc_per_node"]),
         )
         environ = self._base_environ()
         environ.update(env.to_environ())
@@ -539,7 +555,7 @@ class Agent:
         worker = Worker(rank=rank, local_rank=local_rank, proc=proc, pidfd=pidfd, attempt=attempt)
         with self._lock:
             self.workers[rank] = worker
-        self._selector.register(pidfd, selectors.EVENT_READ, rank)
+        self._selector.register(pidfd, selectors.EVENT_READ, worker)
         from_spare = attempt > 0 and proc.args[:3] == [sys.executable, "-m", "xmig.agent.spare"]
         self._notify("worker_started", rank=rank, pid=proc.pid, attempt=attempt, t=time.time(),
                      from_spare=from_spare)  # fmt: skip
@@ -627,14 +643,20 @@ class Agent:
                     os.close(spare.ready_fd)
         self.spares.clear()
 
-    def _reap(self, rank: int) -> None:
-        worker = self.workers[rank]
+    def _reap(self, worker: Worker) -> None:
+        """A worker's process has exited (its pidfd is readable): end what it started, reap
+        it, and report how it ended unless that is already known."""
+        rank = worker.rank
+        if worker.state != "migrating":  # CRIU ended a moving one: its group moves with it
+            self._end_group(worker)
         returncode = worker.proc.wait()
         detected = time.time()
         self._selector.unregister(worker.pidfd)
         os.close(worker.pidfd)
+        if worker in self.retired:
+            self.retired.remove(worker)
         previous, worker.state = worker.state, "exited"
-        if previous in ("stopping", "faulted", "migrating"):
+        if previous in ("stopping", "faulted", "migrating") or self.workers.get(rank) is not worker:
             return
         if returncode != 0 and previous == "done":
             kind, detail = describe_exit(returncode)
@@ -682,6 +704,22 @@ class Agent:
         }
         self._notify("fault", record=record)
 
+    def _end_group(self, worker: Worker) -> None:
+        """Kill every process the worker started that is still in its process group (before
+        the worker is reaped: its PID then still names the group); they come to this agent
+        as orphans and are reaped in the main loop."""
+        self._orphans.update(p for p in group_members(worker.pid) if p != worker.pid)
+        kill_group(worker.pid, signal.SIGKILL)
+
+    def _reap_orphans(self) -> None:
+        for pid in list(self._orphans):
+            try:
+                reaped, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not (yet) this agent's child: wait until it is gone
+                reaped = 0 if os.path.exists(f"/proc/{pid}") else pid
+            if reaped:
+                self._orphans.discard(pid)
+
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for worker in list(self.workers.values()):
@@ -712,26 +750,26 @@ class Agent:
 
     @staticmethod
     def _kill(worker: Worker, sig: int) -> None:
-        try:
-            os.kill(worker.pid, sig)
-            if sig != signal.SIGKILL:
-                os.kill(worker.pid, signal.SIGCONT)  # a stopped process must run to die
-        except ProcessLookupError:
-            pass
+        """Signal the worker and the processes it started (its process group)."""
+        kill_group(worker.pid, sig)
+        if sig != signal.SIGKILL:
+            kill_group(worker.pid, signal.SIGCONT)  # a stopped process must run to die
 
     def _stop_workers(self, grace: float) -> None:
+        """Stop every worker of this node and what they started: SIGTERM to each process
+        group, SIGKILL after ``grace``; every worker is reaped before this returns."""
         self._stop_spares()
         self.job["hot_spares"] = 0  # a stopping job needs none
-        live = [w for w in self.workers.values() if w.state != "exited"]
+        live = [w for w in [*self.workers.values(), *self.retired] if w.state != "exited"]
         for worker in live:
             worker.state = "stopping"
             self._kill(worker, signal.SIGTERM if grace > 0 else signal.SIGKILL)
         deadline = time.monotonic() + grace
+        for worker in live:  # until it has exited (not reaped: its PID still names its group)
+            if worker.pidfd >= 0:
+                select.select([worker.pidfd], [], [], max(0.0, deadline - time.monotonic()))
         for worker in live:
-            try:
-                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._kill(worker, signal.SIGKILL)
+            self._end_group(worker)  # the worker too, if it outlived the grace
         for worker in live:
             try:
                 worker.proc.wait(timeout=5.0)
@@ -748,3 +786,4 @@ class Agent:
             except (KeyError, ValueError, OSError):
                 pass
             worker.state = "exited"
+        self.retired.clear()
