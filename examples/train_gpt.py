@@ -207,6 +207,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plain torch.distributed + DDP, without xmig (a baseline)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the last step")
+    parser.add_argument(
+        "--register-module",
+        action="store_true",
+        help="hand xmig the bare module instead of its DDP (xmig finds the DDP that wraps it)",
+    )
     parser.add_argument("--timing-file", help="rank 0 writes each step's wall time (JSON) here")
     parser.add_argument(
         "--events-file",
@@ -399,8 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         bucket_cap_mb=args.bucket_cap_mb,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    # the DDP module, not the bare model: its bucket layout is part of a rank's state
-    session.register(model=ddp, optimizer=optimizer)
+    # the DDP module: its bucket layout is part of a rank's state (given the bare module,
+    # xmig looks for the DDP that wraps it)
+    session.register(model=model if args.register_module else ddp, optimizer=optimizer)
     start = 0
     checkpoint = Checkpoint(args.checkpoint_dir, args.checkpoint_every) if args.plain else None
     if checkpoint is not None:

@@ -22,11 +22,11 @@ def reference(world, tmp_path_factory):
     return _REFERENCE[world]
 
 
-def recover(tmp_path, tmp_path_factory, world, specs, extra=()):
+def recover(tmp_path, tmp_path_factory, world, specs, extra=(), script_args=()):
     args = ["--nproc-per-node", str(world), *HEARTBEAT, *extra]
     for spec in specs:
         args += ["--inject", spec]
-    result = run([*args, str(DEMO), "--steps", str(STEPS), "--quiet"], tmp_path)
+    result = run([*args, str(DEMO), "--steps", str(STEPS), "--quiet", *script_args], tmp_path)
     summary, ref = result.summary, reference(world, tmp_path_factory)
     assert result.returncode == 0, result.output
     assert summary["status"] == "completed"
@@ -140,3 +140,59 @@ def test_raise_between_many_buckets(tmp_path, measure):
     assert result.summary["recoveries"][0]["mode"] == "in-place retry"
     assert result.summary["final_params_sha256"] == reference.summary["final_params_sha256"]
     check_records(result.summary, [], measure, "raise between many buckets (world 2)")
+
+
+@pytest.mark.parametrize("point", ["forward", "boundary"])
+def test_exception_then_later_faults_still_watched(tmp_path, tmp_path_factory, measure, point):
+    """A Python exception ends rank 1's process after its replacement has started: its agent
+    must keep watching the replacement and every other rank, so that a later hang is detected
+    and a later kill recovered (the agent once waited on the live replacement for ever)."""
+    specs = [f"raise:rank=1:step=2:at={point}", "hang:rank=2:step=4:at=backward",
+             "kill:rank=1:step=5:at=backward"]  # fmt: skip
+    _, summary = recover(tmp_path, tmp_path_factory, 3, specs)
+    kinds = [(f["rank"], f["kind"], f["step"]) for f in summary["faults"]]
+    assert kinds == [(1, "error", 2), (2, "hang", 4), (1, "signal", 5)]
+    assert [r["ranks"] for r in summary["recoveries"]] == [[1], [2], [1]]
+    check_records(summary, [1, 2, 1], measure, f"raise at {point}, then hang, then kill")
+
+
+@pytest.mark.parametrize("spec", [f"kill:rank=2:step={STEPS - 1}:at=optimizer",
+                                  f"kill:rank=0:step={STEPS}:at=boundary"])  # fmt: skip
+def test_fault_after_peers_finished(tmp_path, tmp_path_factory, measure, spec):
+    """A rank fails in (or after) the last step while its peers have finished: they stay,
+    able to serve, until every rank has, so the job completes promptly and bit-identically
+    instead of waiting for parks that never come."""
+    result, summary = recover(tmp_path, tmp_path_factory, 3, [spec])
+    assert result.elapsed < 60
+    assert summary["recoveries"][0]["resume_step"] == STEPS
+    check_records(summary, [int(spec.split("rank=")[1][0])], measure, f"{spec} (last step)")
+
+
+def test_fault_after_peers_exited_stops_at_once(tmp_path):
+    """Peers that finished and left (``os._exit``, no lingering) cannot serve a rank that
+    fails after them: the job stops at once, saying so, not after the recovery timeout."""
+    script = tmp_path / "exit_early.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(DEMO.parent)!r})\n"
+        "import train_gpt\n"
+        "args = sys.argv[1:] + (['--step-sleep', '0.5'] if os.environ['RANK'] == '2' else [])\n"
+        "train_gpt.main(args)\n"
+        "os._exit(0)\n"
+    )
+    result = run(["--nproc-per-node", "3", "--inject", f"kill:rank=2:step={STEPS}:at=boundary",
+                  str(script), "--steps", str(STEPS), "--quiet"], tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.output
+    assert "finished and exited" in result.summary["message"]
+    assert result.elapsed < 40
+
+
+@pytest.mark.parametrize(
+    "spec", ["kill:rank=1:step=1:at=forward", "exit:rank=2:step=4:at=boundary"]
+)
+def test_bare_module_registered(tmp_path, tmp_path_factory, measure, spec):
+    """A script that trains through DDP but registers the bare module: xmig finds the DDP
+    that wraps it (its bucket layout travels), and the run ends bit-identical."""
+    _, summary = recover(tmp_path, tmp_path_factory, 3, [spec],
+                         script_args=["--register-module"])  # fmt: skip
+    check_records(summary, [int(spec.split("rank=")[1][0])], measure, f"{spec}, bare module")

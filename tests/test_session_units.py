@@ -1,5 +1,9 @@
 """Small pure functions of the worker side."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from xmig.session import is_sticky_cuda_error
@@ -29,3 +33,38 @@ def test_sticky_cuda_errors_need_a_new_process(text):
 )
 def test_communication_errors_are_retried_in_place(text):
     assert not is_sticky_cuda_error(text)
+
+
+DDP_SCRIPT = """
+import sys, torch
+import xmig
+from torch.nn.parallel import DistributedDataParallel
+session = xmig.init()
+trained, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+ddp = DistributedDataParallel(trained, process_group=session.process_group)
+session.register(model={which})
+try:
+    for step in session.steps(1):
+        pass
+except xmig.XmigError as exc:
+    print("refused:", exc)
+    sys.exit(3)
+print("found:", session._ddp() is ddp)
+"""
+
+
+@pytest.mark.parametrize("which, code, expected", [
+    ("trained", 0, "found: True"),  # the bare module: its DDP is found
+    ("ddp", 0, "found: True"),
+    ("other", 3, "refused: session.register(model=...) got a module that no"),
+])  # fmt: skip
+def test_the_ddp_of_a_registered_module(tmp_path, which, code, expected):
+    """A registered bare module is trained through the DDP that wraps it; a module no DDP
+    wraps while the script trains with one is refused with what to pass."""
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_SCRIPT.format(which=which))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XMIG_", "MASTER_"))}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    assert expected in proc.stdout

@@ -80,6 +80,7 @@ class Session:
         self.first_step: int | None = None
         self.completed_steps = 0
         self.objects: dict[str, Any] = {}
+        self._ddp_wrapper: Any = None  # the DDP that trains the registered model, if any
         self._hooks: list[Any] = []
         self._snapshots: dict[str, Any] = {}
         # held while the optimizer steps and while a recovery reads or replaces the state
@@ -96,6 +97,9 @@ class Session:
         self._paused_at: int | None = None
         self._pause_orders: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._recoveries_started = 0
+        self._finished = False
+        # set when every rank has finished: until then a finished rank stays to serve peers
+        self._released = threading.Event()
         self._suppressed_step = False
         self._optimizer_waiting = False
         self.link: AgentLink | None = None
@@ -205,7 +209,19 @@ class Session:
         return getattr(model, "module", model) if model is not None else None
 
     def _ddp(self) -> Any:
-        return ddp_state.find_ddp(self.objects.get("model"))
+        return self._ddp_wrapper
+
+    def _find_ddp(self) -> None:
+        """Find the DDP that trains the registered model (it may have been handed over bare:
+        its DDP's bucket layout is part of the state all the same)."""
+        model = self.objects.get("model")
+        self._ddp_wrapper = ddp_state.find_ddp(model)
+        if self._ddp_wrapper is None and model is not None and ddp_state.live_ddps():
+            raise XmigError(
+                "session.register(model=...) got a module that no DistributedDataParallel "
+                "wraps, but this process trains with one: register that DDP "
+                "(session.register(model=ddp, ...))"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a replacement needs, as of now (call with the state lock held)."""
@@ -279,6 +295,7 @@ class Session:
         process first pulls its state from a peer and starts at the survivors' step."""
         if total < 0 or start < 0 or start > total:
             raise XmigError(f"bad step range: start={start}, total={total}")
+        self._find_ddp()
         self._install_hooks()
         step = start
         if self.env.replacement:
@@ -299,6 +316,12 @@ class Session:
                 self.injector.at_point(step, "boundary")
                 yield step
                 step = self._end_of_step(step)
+            with self.state_lock:
+                # what the script issues after its loop (a barrier, a final save) is the
+                # end's own pseudo-step, which a replacement reaches and redoes too
+                self.step = total
+                self.optimizer_stepped = False
+                self.proxy.begin_step(total)
             self.injector.at_point(total, "boundary")
         finally:
             for hook in self._hooks:
@@ -355,6 +378,7 @@ class Session:
             print(f"xmig: rank {self.rank}: faults never reached: {names}", file=sys.stderr)
         if self.link is not None:
             self.link.report_done(total, fingerprint)
+        self._finished = True
 
     # ---- recovery: survivors ----------------------------------------------------------------
     def _on_trouble(self, error: str) -> None:
@@ -385,6 +409,9 @@ class Session:
             op = plan.get("op")
             if op == "pause":
                 self._set_pause(plan)
+                continue
+            if op == "release":
+                self._released.set()
                 continue
             if op in ("dump", "resume", "abort"):
                 self._pause_orders.put(plan)  # for a step loop paused at its boundary
@@ -724,7 +751,12 @@ class Session:
         self._previous_excepthook(exc_type, exc, tb)
 
     def close(self) -> None:
-        """Leave the job cleanly (called at exit)."""
+        """Leave the job (called at exit). A rank that finished its steps stays until every
+        rank has: a peer that fails in its last step recovers from this rank's state and
+        replays with it. The job's own bounds end the wait (the agent stops or dies)."""
+        if self.link is not None and self._finished:
+            while not self._released.wait(1.0):
+                pass
         if self.link is not None:
             self.link.close()
             self.link = None

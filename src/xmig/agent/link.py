@@ -16,7 +16,7 @@ from xmig.wire import Client, WireError, parse_address
 
 LOST_AGENT_EXIT_CODE = 70
 # orders from the coordinator that the agent hands on to its workers
-PLAN_OPS = ("park", "rebuild", "abort", "pause", "dump", "resume")
+PLAN_OPS = ("park", "rebuild", "abort", "pause", "dump", "resume", "release")
 
 
 class AgentLink:

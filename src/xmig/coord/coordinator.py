@@ -67,6 +67,7 @@ class Coordinator:
         self.worker_pids: dict[int, list[int]] = {r: [] for r in range(spec.world_size)}
         self.progress: dict[int, int] = {}
         self.exited: set[int] = set()
+        self.released = False  # every rank finished: finished ranks were let go
         self.done: dict[int, dict[str, Any]] = {}
         self.faults: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -137,6 +138,7 @@ class Coordinator:
                 self._start_scheduled_migration(int(msg["rank"]), int(msg["step"]))
             elif op == "worker_done":
                 self.done[int(msg["rank"])] = msg
+                self._events.put(("done", int(msg["rank"])))
                 if self.migration is not None:
                     self._events.put(("done_during_migration", int(msg["rank"])))
             elif op == "criu":
@@ -306,9 +308,17 @@ class Coordinator:
                     self.agents.pop(data, None)
                     self.stopped_nodes.add(data)
                     self._maybe_finish_stop()
+        elif kind == "done":
+            with self._lock:
+                self._maybe_release()
         elif kind == "exited":
             with self._lock:
                 self.exited.add(data)
+                recovery = self.recovery
+                if recovery is not None and data in recovery.survivors:
+                    self._abort_recovery(f"rank {data} finished and exited during the recovery, "
+                                         "so it cannot replay the last step")  # fmt: skip
+                    return
                 if self.status == "running" and len(self.exited) == self.spec.world_size:
                     self._finish("completed")
         elif kind == "worker_joined":
@@ -416,6 +426,8 @@ class Coordinator:
         self.recovery_deadline = time.monotonic() + self.spec.recovery_timeout
         self.status = "recovering"
         self.joined -= set(replaced)
+        for rank in replaced:
+            self.done.pop(rank, None)
         park = {"op": "park", "generation": self.generation, "replaced": replaced}
         for agent in self.agents.values():
             agent.push(park)
@@ -468,6 +480,10 @@ class Coordinator:
         unmanaged = sorted(set(range(self.spec.world_size)) - self.joined - set(replaced))
         if unmanaged:
             return f"rank {unmanaged[0]} never called xmig.init(), so it cannot be parked"
+        gone = sorted(self.exited - set(replaced))
+        if gone:
+            return (f"ranks {gone} finished and exited before the fault, so they cannot serve "
+                    "the state or replay the last step with a replacement")  # fmt: skip
         if len(replaced) >= self.spec.world_size:
             return "every rank failed: no peer holds the state"
         for done in self.recoveries[-2:]:
@@ -511,6 +527,16 @@ class Coordinator:
         self.recovery = self.migration = None
         self.status = "running"
         log(line)
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        """Once every rank has finished its steps, nobody can need a finished rank's state
+        any more: let them all exit. Until then they stay, able to park and serve."""
+        if self.released or self.status != "running":
+            return
+        if set(self.done) >= set(range(self.spec.world_size)):
+            self.released = True
+            self._push_all({"op": "release"})
 
     def _abort_recovery(self, reason: str) -> None:
         self._give_up("recovery impossible", reason)

@@ -9,6 +9,7 @@ payloads of those two broadcasts) is part of the state it pulls. Relies on DDP i
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -18,7 +19,19 @@ REBUILD_BROADCASTS = 2
 
 
 def find_ddp(obj: Any) -> DistributedDataParallel | None:
-    return obj if isinstance(obj, DistributedDataParallel) else None
+    """The DDP that trains ``obj``: ``obj`` itself when it is one, else the live DDP whose
+    module is ``obj`` (a script that registered the bare module)."""
+    if isinstance(obj, DistributedDataParallel):
+        return obj
+    if not isinstance(obj, torch.nn.Module):
+        return None
+    return next((d for d in live_ddps() if d.module is obj), None)
+
+
+def live_ddps() -> list[DistributedDataParallel]:
+    """Every DDP instance of this process (a walk over the garbage collector's objects:
+    once per process, when the step loop starts)."""
+    return [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
 
 
 def has_rebuilt(ddp: DistributedDataParallel) -> bool:
