@@ -14,7 +14,7 @@ import pytest
 from xmig.jobenv import WorkerEnv
 from xmig.launch.launcher import LaunchError, find_job
 
-from helpers import finish_run, run, start_run
+from helpers import DEMO, finish_run, run, start_run
 
 NOTE = "does not use xmig"
 
@@ -181,3 +181,17 @@ def test_a_start_removes_stale_job_files(tmp_path, jobs):
     result = run([_script(tmp_path, "pass\n")], tmp_path, timeout=60)
     assert result.returncode == 0, result.output
     assert sorted(p.name for p in jobs.iterdir()) == [live.name]
+
+
+def test_a_fault_beyond_the_last_step_is_an_error(tmp_path):
+    """A fault whose step the script never reaches is said at once when the step count is
+    known, and the run ends as bad input (exit 2): a chaos test that injected nothing must
+    not pass."""
+    result = run(["--nproc-per-node", "2", "--inject", "kill:rank=1:step=100", str(DEMO),
+                  "--steps", "3", "--quiet"], tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.output
+    summary = result.summary
+    assert summary["status"] == "completed" and summary["exit_code"] == 2
+    assert summary["unfired_faults"] == ["kill:rank=1:step=100:at=backward"]
+    assert "will never fire: the script runs 3 steps" in result.output
+    assert "injected faults never fired" in result.last_lines[-1]

@@ -297,6 +297,10 @@ class Session:
             raise XmigError(f"bad step range: start={start}, total={total}")
         self._find_ddp()
         self._install_hooks()
+        unreachable = self.injector.unreachable(total)
+        if unreachable and self.link is not None:
+            self.link.report("unreachable_faults", total=total,
+                             faults=[s.to_json() for s in unreachable])  # fmt: skip
         step = start
         if self.env.replacement:
             step = self._join()
@@ -373,7 +377,7 @@ class Session:
     def _finish(self, total: int) -> None:
         fingerprint = self.params_sha256() if self.rank == 0 else None
         unfired = self.injector.pending
-        if unfired:
+        if unfired and self.link is None:  # else the coordinator reports them
             names = ", ".join(str(s) for s in unfired)
             print(f"xmig: rank {self.rank}: faults never reached: {names}", file=sys.stderr)
         if self.link is not None:

@@ -202,7 +202,7 @@ class Agent:
             elif op == "comm_error":
                 self._post("comm_error", (rank, worker.pid, msg, wall))
             elif op in ("parked", "recovered", "recovery_failed", "paused", "pause_refused",
-                        "rejoined", "resumed"):  # fmt: skip
+                        "rejoined", "resumed", "unreachable_faults"):  # fmt: skip
                 fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
                 self._post("forward", (op, {"rank": rank, **fields}))
             elif op == "error":

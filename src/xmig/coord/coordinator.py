@@ -19,7 +19,7 @@ from xmig.coord.migration import (
     shared_images,
 )
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
-from xmig.faults.spec import FaultSpecError, parse_fault
+from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from xmig.wire import Peer, Server, format_address
 
 # faults detected within this window of the first one are weighed together: the earliest is
@@ -89,6 +89,8 @@ class Coordinator:
         self.migrations: list[dict[str, Any]] = []
         self.criu: dict[int, dict[str, Any]] = {}  # node -> whether CRIU is usable there
         self.scheduled = [f for f in spec.faults if f["kind"] == "migrate"]
+        self.total_steps: int | None = None  # as the script's step loop said
+        self._warned: set[str] = set()
         self._lock = threading.RLock()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.finished = threading.Event()
@@ -131,6 +133,8 @@ class Coordinator:
                 }
                 if self.recovery is not None and rank in self.recovery.replaced:
                     self.recovery.from_spare[rank] = bool(msg.get("from_spare"))
+            elif op == "unreachable_faults":
+                self._warn_unreachable(msg["faults"], int(msg["total"]))
             elif op == "spares":
                 self.spares_ready[int(msg["node"])] = int(msg["ready"])
             elif op == "progress":
@@ -216,6 +220,26 @@ class Coordinator:
             "fault_time_source": "injection" if announced else "detection",
             "detected_after_s": round(max(0.0, detected - t_fault), 6),
         }
+
+    def _warn_unreachable(self, faults: list[dict[str, Any]], total: int) -> None:
+        """A rank's step loop is shorter than its injected faults: say so at once (the end
+        counts them as an error)."""
+        self.total_steps = total
+        late = [f for f in self.scheduled if int(f["step"]) >= total]
+        for fault in [*faults, *late]:
+            name = str(FaultSpec.from_json(fault))
+            if name not in self._warned:
+                self._warned.add(name)
+                log(f"warning: fault {name} will never fire: the script runs {total} steps")
+
+    def _unfired(self) -> list[str]:
+        """Faults given at launch that never happened (migrations included)."""
+        fired = [f for faults in self.fired.values() for f in faults]
+        done = {(m["rank"], m.get("why")) for m in self.migrations}
+        unfired = [f for f in self.spec.faults if f["kind"] != "migrate" and f not in fired]
+        unfired += [f for f in self.spec.faults if f["kind"] == "migrate"
+                    and (f in self.scheduled or (f["rank"], "injected") not in done)]  # fmt: skip
+        return [str(FaultSpec.from_json(f)) for f in unfired]
 
     def _status(self) -> dict[str, Any]:
         return {
@@ -747,10 +771,16 @@ class Coordinator:
 
     def _summary(self, outcome: str) -> dict[str, Any]:
         ws = self.spec.world_size
+        unfired = self._unfired()
+        exit_code = 0 if outcome == "completed" else 1
         if outcome == "completed":
             steps = self.done.get(0, {}).get("steps")
             fingerprint = self.done.get(0, {}).get("params_sha256")
             message = f"completed {steps} steps on {ws} ranks"
+            if unfired:
+                # a chaos run whose faults never happened tested nothing: bad input
+                exit_code = 2
+                message += f", but injected faults never fired: {', '.join(unfired)}"
         else:
             steps = min((self.progress.get(r, 0) for r in range(ws)), default=0)
             fingerprint = None
@@ -763,7 +793,8 @@ class Coordinator:
         return {
             "job_id": self.spec.job_id,
             "status": outcome,
-            "exit_code": 0 if outcome == "completed" else 1,
+            "exit_code": exit_code,
+            "unfired_faults": unfired,
             "message": message,
             "world_size": ws,
             "nnodes": self.spec.nnodes,

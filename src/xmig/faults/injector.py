@@ -51,6 +51,18 @@ class Injector:
         with self._lock:
             return list(self._pending)
 
+    def unreachable(self, total: int) -> list[FaultSpec]:
+        """Pending faults a loop of ``total`` steps never reaches (the end's boundary and
+        the collectives issued after the loop are the last points it has)."""
+        return [
+            s
+            for s in self.pending
+            if s.step is not None
+            and (
+                s.step > total or (s.step == total and s.at != "boundary" and s.collective is None)
+            )
+        ]
+
     def needs(self, point: str) -> bool:
         """Whether a pending fault fires at ``point`` (so the caller knows which hooks to set)."""
         return any(spec.at == point for spec in self.pending)

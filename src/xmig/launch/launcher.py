@@ -357,6 +357,14 @@ class Launcher:
                 file=sys.stderr,
                 flush=True,
             )
+        if summary["status"] == "completed" and summary.get("unfired_faults"):
+            # a chaos run whose faults never happened tested nothing
+            print(
+                f"xmig: error: injected faults never fired: {', '.join(summary['unfired_faults'])}"
+                f" (the script ran {summary['steps']} steps); exit code {summary['exit_code']}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _kill_all(self) -> None:
         procs = [p for p in [self.coordinator, *self.agents] if p is not None]
