@@ -196,3 +196,71 @@ def test_bare_module_registered(tmp_path, tmp_path_factory, measure, spec):
     _, summary = recover(tmp_path, tmp_path_factory, 3, [spec],
                          script_args=["--register-module"])  # fmt: skip
     check_records(summary, [int(spec.split("rank=")[1][0])], measure, f"{spec}, bare module")
+
+
+@pytest.mark.parametrize("point", ["boundary", "collective=0", "collective=1"])
+def test_rank0_dies_inside_ddp_bucket_rebuild(tmp_path, tmp_path_factory, measure, point):
+    """Rank 0 is the root of DDP's bucket-layout broadcasts in step 1: killed before (or
+    between) them, its peers finish the rebuild with their own layout, which its replacement
+    takes (it used to pick one of its own, which the survivors never had: a silently
+    different result)."""
+    spec = f"kill:rank=0:step=1:at={point}"
+    _, summary = recover(tmp_path, tmp_path_factory, 3, [spec])
+    assert summary["recoveries"][0]["verified"] is True
+    assert "not_bit_identical" not in summary["recoveries"][0]
+    check_records(summary, [0], measure, f"{spec} (world 3, DDP rebuild)")
+
+
+def test_rank0_dies_inside_ddp_bucket_rebuild_without_replay_log(
+    tmp_path, tmp_path_factory, measure
+):
+    spec = "kill:rank=0:step=1:at=collective=1"
+    _, summary = recover(tmp_path, tmp_path_factory, 3, [spec], extra=["--no-replay-log"])
+    assert summary["recoveries"][0]["mode"] == "rollback"
+    check_records(summary, [0], measure, f"{spec} --no-replay-log (world 3)")
+
+
+ORDER_SCRIPT = """
+import os, torch, xmig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        # the same sum; the branch computed last gets its gradients first
+        if os.environ["XMIG_ATTEMPT"] != "0":
+            hb, ha = self.b(x), self.a(x)
+        else:
+            ha, hb = self.a(x), self.b(x)
+        return (ha + hb).pow(2).mean()
+
+session = xmig.init(seed=7)
+torch.manual_seed(7)
+model = TwoBranches()
+ddp = DistributedDataParallel(model, process_group=session.process_group)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+session.register(model=ddp, optimizer=optimizer)
+for step in session.steps(5):
+    x = torch.randn(4, 8)
+    optimizer.zero_grad()
+    ddp(x).backward()
+    optimizer.step()
+"""
+
+
+def test_a_replacement_whose_gradients_come_in_another_order_says_so(tmp_path):
+    """Rank 0 dies before sending DDP's layout, and its replacement's gradients become ready
+    in another order than its peers': the layout its peers made themselves cannot be the one
+    the fault-free run had, and the recovery says so instead of claiming bit-identity."""
+    script = tmp_path / "two_branches.py"
+    script.write_text(ORDER_SCRIPT)
+    result = run(["--nproc-per-node", "3", "--inject", "kill:rank=0:step=1:at=boundary",
+                  str(script)], tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    record = result.summary["recoveries"][0]
+    assert "became ready in another order" in record["not_bit_identical"]
+    assert "is not bit-identical to a run without the fault" in result.output

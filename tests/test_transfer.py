@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xmig.ccl import Communicator
+from xmig.state import transfer
 from xmig.state.transfer import (
     BUCKET_BYTES,
     TensorRef,
@@ -123,6 +124,60 @@ def _assert_same(got, want, path="state"):
         assert got == want, path
 
 
+def _transfer(state, bucket_bytes, alter=None):
+    """``state`` from rank 0 to rank 1 of a gloo pair (two threads); ``alter(tensor)`` changes
+    what rank 1 receives, as a machine in the middle would."""
+    store = dist.HashStore()
+    results: dict[str, object] = {}
+    errors: list[BaseException] = []
+    real = transfer._broadcast
+
+    def broadcast(comm, tensor, device):
+        real(comm, tensor, device)
+        if alter is not None and comm.rank == 1 and tensor.dtype == torch.float32:
+            alter(tensor)
+
+    def run(rank):
+        try:
+            comm = Communicator("gloo", "pairtest", 0, store, rank, 2, timedelta(seconds=30))
+            if rank == 0:
+                results["sent"] = send_state(comm, state, CPU, bucket_bytes)
+            else:
+                results["received"] = recv_state(comm, CPU, CPU, bucket_bytes)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    transfer._broadcast = broadcast
+    try:
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        transfer._broadcast = real
+    assert not any(t.is_alive() for t in threads), "transfer did not finish within 30 s"
+    assert not errors, errors
+    return results["sent"], *results["received"]
+
+
+@pytest.mark.parametrize("bucket_bytes", [BUCKET_BYTES, 64], ids=["one-bucket", "many-buckets"])
+def test_a_state_altered_in_transit_does_not_match_its_digest(bucket_bytes):
+    """One bit of one parameter changed between the peers: the receiver's digest differs from
+    the one the sender announces, so the replacement refuses the state."""
+    state = _sample_state()
+
+    def flip(tensor):
+        tensor.view(torch.int32).reshape(-1)[0] ^= 1
+
+    sent, got, received = _transfer(state, bucket_bytes, alter=flip)
+    pairs = zip(got["model"].values(), state["model"].values(), strict=True)
+    assert not all(torch.equal(a, b) for a, b in pairs)
+    assert received.digest != sent.digest
+    sent, _got, received = _transfer(state, bucket_bytes)
+    assert received.digest == sent.digest
+
+
 def test_buckets_are_consecutive_runs_within_the_limit():
     specs = [("float32", (4,), "cpu"), ("float32", (2,), "cpu"), ("float32", (100,), "cpu"),
              ("float32", (1,), "cpu"), ("float32", (3,), "cpu")]  # fmt: skip
@@ -174,3 +229,5 @@ def test_send_and_recv_state_over_gloo(bucket_bytes):
     assert recv_stats.bytes >= tensor_bytes
     assert send_stats.bytes == recv_stats.bytes
     assert send_stats.seconds >= 0 and recv_stats.seconds >= 0
+    # both ends hashed the same bytes: the receiver's check against the announced digest
+    assert len(send_stats.digest) == 64 and recv_stats.digest == send_stats.digest

@@ -20,12 +20,19 @@ import torch
 import torch.distributed as dist
 
 from xmig.agent.link import AgentLink
-from xmig.ccl import BACKENDS, Communicator
+from xmig.ccl import BACKENDS, Communicator, store_namespace
 from xmig.faults import FaultSpec, Injector
 from xmig.jobenv import WorkerEnv
 from xmig.procs import die_with_parent, outlive_parent
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
-from xmig.state import TransferStats, params_sha256, recv_state, reseed, send_state
+from xmig.state import (
+    TransferStats,
+    params_checksum,
+    params_sha256,
+    recv_state,
+    reseed,
+    send_state,
+)
 from xmig.state import ddp as ddp_state
 
 BACKEND_NAME = "xmig"
@@ -87,9 +94,17 @@ class Session:
         self.state_lock = threading.Lock()
         self.optimizer_stepped = False
         self.ddp_layout: list[torch.Tensor] | None = None
+        self._layout_source = ddp_state.FROM_ROOT  # how this rank came by ddp_layout
+        # the order this rank's gradients became ready in its first iteration (DDP's layout
+        # comes from rank 0's), and the peers' order a replacement must find it equal to
+        self._ready: ddp_state.ReadyOrder | None = None
+        self.ready_order: list[int] | None = None
+        self._verify_order: list[int] | None = None
         self._redo_from: int | None = None
         self._stash: dict[str, Any] | None = None
         self._plans: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        # digests of pulled state, announced by their senders over the control channel
+        self._digests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         # a pause at a step boundary (migration): the step to pause at, the last started step
         self._pause_lock = threading.Lock()
         self._pause_at: dict[str, Any] | None = None
@@ -98,6 +113,8 @@ class Session:
         self._pause_orders: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._recoveries_started = 0
         self._finished = False
+        self._total: int | None = None
+        self._verify: tuple[int, int] | None = None  # (generation, step) to report a checksum at
         # set when every rank has finished: until then a finished rank stays to serve peers
         self._released = threading.Event()
         self._suppressed_step = False
@@ -150,9 +167,7 @@ class Session:
             # the job's store directly, so a process that reconnects (after a migration)
             # finds their keys with a store client of its own
             self.store = raw_store if raw_store is not None else store
-            communicator = Communicator(
-                self.backend, "world", self.env.generation, self.store, rank, size, pg_timeout
-            )
+            communicator = self._communicator("world", self.env.generation, rank, size)
             proxy = ProxyProcessGroup(
                 communicator,
                 before_op=self.injector.at_collective,
@@ -167,10 +182,7 @@ class Session:
         global _create_group
         _create_group = create
         if self.env.managed:
-            # the coordinator hosts the job's store; every rank is a client of it
-            store = raw_store = dist.TCPStore(
-                self.env.master_addr, self.env.master_port, is_master=False, timeout=timeout
-            )
+            store = raw_store = self._job_store()
             dist.init_process_group(
                 BACKEND_NAME, store=store, rank=self.rank, world_size=self.world_size,
                 timeout=timeout,
@@ -188,6 +200,19 @@ class Session:
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         return created[0]
+
+    def _job_store(self) -> dist.Store:
+        """A client of the job's store (the coordinator hosts it), under the job's own
+        unpredictable key prefix."""
+        assert self.env.token is not None
+        client = dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False,
+                               timeout=self.timeout)  # fmt: skip
+        return dist.PrefixStore(store_namespace(self.env.token), client)
+
+    def _communicator(self, group: str, generation: int, rank: int, size: int) -> Communicator:
+        where = f"the job's c10d store at {self.env.master_addr}:{self.env.master_port}"
+        return Communicator(self.backend, group, generation, self.store, rank, size,
+                            self.timeout, where=where)  # fmt: skip
 
     # ---- registered state -------------------------------------------------------------------
     def register(self, **objects: Any) -> None:
@@ -295,6 +320,7 @@ class Session:
         process first pulls its state from a peer and starts at the survivors' step."""
         if total < 0 or start < 0 or start > total:
             raise XmigError(f"bad step range: start={start}, total={total}")
+        self._total = total
         self._find_ddp()
         self._install_hooks()
         unreachable = self.injector.unreachable(total)
@@ -303,11 +329,18 @@ class Session:
                              faults=[s.to_json() for s in unreachable])  # fmt: skip
         step = start
         if self.env.replacement:
-            step = self._join()
+            try:
+                step = self._join()
+            except RecoveryFailed as exc:  # the coordinator hears why, and stops the job
+                self._die(f"recovery failed: {exc}")
         if self.first_step is None:
             self.first_step = start
+        ddp = self._ddp()
+        if ddp is not None and ddp_state.rebuilds(ddp) and step < total:
+            self._ready = ddp_state.ReadyOrder(ddp)  # for this process's first iteration
         try:
             while step < total:
+                self._maybe_verify(step)
                 self._maybe_pause(step)
                 with self.state_lock:
                     self._snapshot_objects()
@@ -326,22 +359,26 @@ class Session:
                 self.step = total
                 self.optimizer_stepped = False
                 self.proxy.begin_step(total)
+            self._maybe_verify(total)
             self.injector.at_point(total, "boundary")
         finally:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            if self._ready is not None:
+                self._ready.stop()
         self._finish(total)
 
     def _end_of_step(self, step: int) -> int:
         """The boundary after ``step``: the next step, or an earlier one to redo."""
         self.completed_steps = step + 1
         ddp = self._ddp()
-        # DDP rebuilds its buckets in its second iteration; look only then (the framework is
-        # quiet at the boundary: DDP must not be asked while a backward waits inside it)
-        watching = ddp is not None and self.ddp_layout is None
-        if watching and step <= (self.first_step or 0) + 3 and ddp_state.has_rebuilt(ddp):
-            self.ddp_layout = ddp_state.rebuild_payloads(self.proxy.int_broadcasts)
+        if ddp is not None and self.ddp_layout is None and ddp_state.rebuilds(ddp):
+            # the layout DDP took in this step, if it rebuilt its buckets in it
+            self.ddp_layout = ddp_state.complete_layout(self.proxy.int_broadcasts, step)
+        if self._ready is not None:
+            self._check_ready_order(self._ready.stop())
+            self._ready = None
         if self._redo_from is None:
             return step + 1
         with self.state_lock:
@@ -359,6 +396,22 @@ class Session:
                 optimizer.zero_grad(set_to_none=True)
             self.proxy.resume("normal")
         return redo
+
+    def _check_ready_order(self, order: list[int]) -> None:
+        """Keep this process's first ready order; a replacement that took a layout its peers
+        made themselves (its rank 0 died before sending DDP's) says whether it is the one
+        the fault-free run had: rank 0's order is now this process's."""
+        self.ready_order = order
+        expected, self._verify_order = self._verify_order, None
+        if expected is None or expected == order or self.link is None:
+            return
+        pairs = enumerate(zip(order, expected, strict=False))
+        first = next((i for i, (a, b) in pairs if a != b), min(len(order), len(expected)))
+        self.link.report("not_bit_identical", generation=self.env.generation,
+                         why=f"rank {self.rank}'s gradients became ready in another order than "
+                             f"its peers' (from position {first} on), so DDP's buckets, which "
+                             "its peers built in their own order, differ from the fault-free "
+                             "run's")  # fmt: skip
 
     def _snapshot_objects(self) -> None:
         for name, obj in self.objects.items():
@@ -381,7 +434,7 @@ class Session:
             names = ", ".join(str(s) for s in unfired)
             print(f"xmig: rank {self.rank}: faults never reached: {names}", file=sys.stderr)
         if self.link is not None:
-            self.link.report_done(total, fingerprint)
+            self.link.report_done(total, fingerprint, self._replica_checksum())
         self._finished = True
 
     # ---- recovery: survivors ----------------------------------------------------------------
@@ -405,7 +458,34 @@ class Session:
                       f"{self.env.recovery_timeout:.0f} s")  # fmt: skip
 
     def _on_plan(self, plan: dict[str, Any]) -> None:
+        if plan.get("op") == "state_digest":
+            if int(plan["rank"]) == self.rank:
+                self._digests.put(plan)
+            return
         self._plans.put(plan)
+
+    def _check_digest(self, generation: int, source: int | None, digest: str) -> None:
+        """Load nothing a peer sent unless it is what the peer says it sent: the pull's
+        communicator meets through the job's store, which the job does not authenticate."""
+        deadline = time.monotonic() + self.env.recovery_timeout
+        while True:
+            try:
+                announced = self._digests.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RecoveryFailed(
+                    f"the peer serving the state announced no digest within "
+                    f"{self.env.recovery_timeout:.0f} s"
+                ) from None
+            if int(announced["generation"]) == generation:
+                break
+        if announced["digest"] != digest:
+            sender = announced.get("source", source)
+            raise RecoveryFailed(
+                f"the state received from rank {sender} is not what it sent (SHA-256 "
+                f"{digest[:16]}… received, {str(announced['digest'])[:16]}… announced): it was "
+                f"altered or corrupted in transit; the pull's connection was set up through "
+                f"the job's c10d store at {self.env.master_addr}:{self.env.master_port}"
+            )
 
     def _recovery_loop(self) -> None:
         while True:
@@ -469,7 +549,50 @@ class Session:
             "signatures": signatures,
             "pending": len(self.proxy.pending()),
             "optimizer_waiting": self._optimizer_waiting,
+            "ddp_layout": ddp_state.layout_digest(self.ddp_layout) if self.ddp_layout else None,
+            "ddp_layout_source": self._layout_source,
         }
+
+    def _finish_layout_locally(self) -> None:
+        """Rank 0, the root of DDP's layout broadcasts, is being replaced while this rank's
+        DDP rebuilds its buckets: it finishes the rebuild with its own layout, served without
+        the network, the step running on (the state lock let go) until DDP has taken it. The
+        replacement takes the same layout; the coordinator checks that every survivor's is
+        the same and whether any saw rank 0's."""
+        ddp = self._ddp()
+        if ddp is None or self.ddp_layout is not None or not ddp_state.rebuilds(ddp):
+            return
+        rebuild_step = (self.first_step or 0) + 1
+        state_step = None
+        if self.step is not None:
+            state_step = self.step + 1 if self.optimizer_stepped else self.step
+        if state_step != rebuild_step:
+            return
+        pair = ddp_state.layout_pair(self.proxy.int_broadcasts, rebuild_step)
+        picker = ddp_state.LayoutPicker(rebuild_step, pair[0].index if pair else None)
+        # what DDP already took over the network is not re-issued: the replacement does not
+        # broadcast a layout, it takes this one
+        logged = self.proxy.logged(rebuild_step)
+        self.proxy.forget([r for r in logged if r.state == "done" and picker(r)])
+        self.proxy.local_filter = picker
+        self.proxy.serve_pending_locally()
+        self.state_lock.release()
+        try:
+            deadline = time.monotonic() + self.env.recovery_timeout
+            while (layout := ddp_state.complete_layout(self.proxy.int_broadcasts,
+                                                       rebuild_step)) is None:  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise RecoveryFailed("DDP did not reach its bucket rebuild within "
+                                         f"{self.env.recovery_timeout:.0f} s")  # fmt: skip
+                time.sleep(0.002)
+        finally:
+            self.proxy.local_filter = None
+            if not self.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
+                self._die("the framework held the state lock too long")
+        pair = ddp_state.layout_pair(self.proxy.int_broadcasts, rebuild_step)
+        assert pair is not None and pair[1] is not None
+        self.ddp_layout = layout
+        self._layout_source = ddp_state.layout_source(pair[0], pair[1])
 
     def _recover(self, park: dict[str, Any]) -> None:
         assert self.link is not None
@@ -480,13 +603,15 @@ class Session:
         try:
             self.proxy.halt()
             self.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
+            if 0 in park.get("replaced", []):
+                self._finish_layout_locally()
             self.link.report("parked", generation=generation, position=self._position())
             plan = self._next_plan("rebuild", generation)
+            # before the step runs on (the training thread reaches the next boundary as soon
+            # as the replay is done)
+            self._expect_verify(generation, int(plan["step"]))
             parked = time.monotonic()
-            communicator = Communicator(
-                self.backend, "world", generation, self.store, self.rank, self.world_size,
-                self.timeout,
-            )  # fmt: skip
+            communicator = self._communicator("world", generation, self.rank, self.world_size)
             rebuilt = time.monotonic()
             pull = self._serve_or_receive(plan)  # includes waiting for the receiver to get there
             pulled = time.monotonic()
@@ -512,6 +637,29 @@ class Session:
             pull=pull,
             t_resumed=time.time(),
         )
+        if self._finished:  # a finished rank that served a peer: its state is the end's
+            self._maybe_verify(self._total if self._total is not None else int(plan["step"]))
+
+    def _expect_verify(self, generation: int, step: int) -> None:
+        """After a recovery every rank tells the coordinator a checksum of its parameters
+        as of the start of the step after the recovered one (or the end): DDP's replicas
+        must agree, or the recovery went wrong silently."""
+        total = self._total if self._total is not None else step + 1
+        self._verify = (generation, min(step + 1, total))
+
+    def _maybe_verify(self, step: int) -> None:
+        verify, self._verify = self._verify, None
+        if verify is None or verify[1] != step:
+            self._verify = verify
+            return
+        if self.link is not None:
+            self.link.report("verify", generation=verify[0], step=step,
+                             checksum=self._replica_checksum())  # fmt: skip
+
+    def _replica_checksum(self) -> str | None:
+        """A checksum of the parameters when they are DDP replicas (equal on every rank)."""
+        model = self._model()
+        return params_checksum(model) if model is not None and self._ddp() is not None else None
 
     def _serve_or_receive(self, plan: dict[str, Any]) -> dict[str, Any] | None:
         generation = int(plan["generation"])
@@ -520,31 +668,40 @@ class Session:
             total = TransferStats()
             state = self._outgoing_state(plan)
             for target in pulls:
-                pair = Communicator(self.backend, f"pull{target}", generation, self.store, 0, 2,
-                                    self.timeout)  # fmt: skip
+                pair = self._communicator(f"pull{target}", generation, 0, 2)
                 stats = send_state(pair, state, self.device)
+                # over the authenticated channel: the receiver checks what it got against it
+                self.link.report("state_digest", generation=generation, target=target,
+                                 digest=stats.digest)  # fmt: skip
                 total.bytes += stats.bytes
                 total.seconds += stats.seconds
                 total.setup_seconds += stats.setup_seconds
             return _pull_report("source", total)
         if self.rank in pulls:
-            pair = Communicator(self.backend, f"pull{self.rank}", generation, self.store, 1, 2,
-                                self.timeout)  # fmt: skip
+            pair = self._communicator(f"pull{self.rank}", generation, 1, 2)
             incoming, stats = recv_state(pair, self.device, self.device)
+            self._check_digest(generation, int(plan["source"]), stats.digest)
             self._stash = incoming["state"]
             return _pull_report("receiver", stats)
         return None
 
     def _outgoing_state(self, plan: dict[str, Any]) -> dict[str, Any]:
         step = int(plan["step"])
-        ddp_info: dict[str, Any] = {"layout": self.ddp_layout, "in_step": None}
+        ddp_info: dict[str, Any] = {
+            "layout": self.ddp_layout, "in_step": None, "in_step_index": 0,
+            "ready_order": self.ready_order,
+            "verify_ready_order": bool(plan.get("verify_ready_order")),
+        }  # fmt: skip
         if self._ddp() is not None and self.ddp_layout is None:
             seen = self.proxy.int_broadcasts
-            earlier = [(s, t) for s, t in seen if s is not None and s < step]
-            # rebuilt in an earlier step (DDP's own flag lags an iteration), or in this one
+            # rebuilt in an earlier step, or in this one (its payloads go out again, from the
+            # replacement when it is their root)
+            earlier = [b for b in seen if b.step is not None and b.step < step]
             ddp_info["layout"] = ddp_state.rebuild_payloads(earlier)
-            if ddp_info["layout"] is None:
-                ddp_info["in_step"] = ddp_state.rebuild_payloads(seen, step)
+            pair = ddp_state.layout_pair(seen, step)
+            if ddp_info["layout"] is None and pair is not None:
+                ddp_info["in_step"] = ddp_state.complete_layout(seen, step)
+                ddp_info["in_step_index"] = pair[0].index
         signatures = [r.signature for r in self.proxy.logged(step) if r.step == step]
         return {
             "step": step,
@@ -615,8 +772,7 @@ class Session:
             if order["op"] == "dump":
                 self._be_moved(order)
             elif order["op"] == "resume":
-                communicator = Communicator(self.backend, "world", generation, self.store,
-                                            self.rank, self.world_size, self.timeout)  # fmt: skip
+                communicator = self._communicator("world", generation, self.rank, self.world_size)
                 self.proxy.switch(communicator)
                 self.link.report("resumed", generation=generation)
                 return
@@ -669,8 +825,7 @@ class Session:
                                        node_rank=int(where["node"]))  # fmt: skip
         self.link = AgentLink(self.env, on_inject=self.injector.add, on_plan=self._on_plan)
         # the store's connection came back closed: a new one, from this node's address
-        self.store = dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False,
-                                   timeout=self.timeout)  # fmt: skip
+        self.store = self._job_store()
         self.link.report("rejoined", generation=order["generation"],
                          netns=os.stat("/proc/self/ns/net").st_ino)  # fmt: skip
 
@@ -681,8 +836,7 @@ class Session:
 
         def receive() -> None:
             try:
-                pair = Communicator(self.backend, f"pull{self.rank}", self.env.generation,
-                                    self.store, 1, 2, self.timeout)  # fmt: skip
+                pair = self._communicator(f"pull{self.rank}", self.env.generation, 1, 2)
                 if self.backend == "nccl":
                     torch.cuda.set_device(self.device)  # the current device is per thread
                     # a stream of its own, so that the script's kernels on the default
@@ -709,6 +863,7 @@ class Session:
             ) from None
         if isinstance(incoming, BaseException):
             raise RecoveryFailed(f"receiving the state failed: {incoming}") from incoming
+        self._check_digest(self.env.generation, None, stats.digest)
         waited = time.monotonic() - started
         self.load_state(incoming["state"])
         if self.backend == "nccl":
@@ -728,8 +883,11 @@ class Session:
                 self.ddp_layout = ddp_info["layout"]
             elif step > int(incoming["first_step"] or 0):
                 ddp_state.prepare_rebuild(ddp)  # its peers rebuild in this very step
-                for index, payload in enumerate(ddp_info["in_step"] or []):
+                first = int(ddp_info["in_step_index"])
+                for index, payload in enumerate(ddp_info["in_step"] or [], start=first):
                     self.proxy.overrides[(step, index)] = payload
+            if ddp_info.get("verify_ready_order"):
+                self._verify_order = ddp_info.get("ready_order")
         if incoming["signatures"] is not None:
             self.proxy.expected[step] = incoming["signatures"]
         self.proxy.resume("normal")
@@ -746,6 +904,7 @@ class Session:
                 pull=_pull_report("receiver", stats),
                 t_resumed=time.time(),
             )
+        self._expect_verify(self.env.generation, step)
         return step
 
     # ---- ending -----------------------------------------------------------------------------

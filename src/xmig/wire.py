@@ -71,6 +71,20 @@ def format_address(address: tuple[str, int]) -> str:
     return f"{address[0]}:{address[1]}"
 
 
+def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """A TCP socket listening on ``host`` only (IPv4 or IPv6, as ``host`` resolves)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class Connection:
     """One framed, authenticated socket; ``send`` is safe from several threads."""
 

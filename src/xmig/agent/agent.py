@@ -202,7 +202,8 @@ class Agent:
             elif op == "comm_error":
                 self._post("comm_error", (rank, worker.pid, msg, wall))
             elif op in ("parked", "recovered", "recovery_failed", "paused", "pause_refused",
-                        "rejoined", "resumed", "unreachable_faults"):  # fmt: skip
+                        "rejoined", "resumed", "unreachable_faults", "state_digest", "verify",
+                        "not_bit_identical"):  # fmt: skip
                 fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
                 self._post("forward", (op, {"rank": rank, **fields}))
             elif op == "error":
@@ -432,6 +433,7 @@ class Agent:
                 rank=rank,
                 steps=msg.get("steps"),
                 params_sha256=msg.get("params_sha256"),
+                checksum=msg.get("checksum"),
             )
         elif kind == "comm_error":
             rank, pid, msg, wall = data
@@ -448,7 +450,7 @@ class Agent:
         elif kind == "forward":
             op, fields = data
             self._notify(op, **fields)
-        elif kind in ("park", "rebuild", "abort", "pause", "resume", "release"):
+        elif kind in ("park", "rebuild", "abort", "pause", "resume", "release", "state_digest"):
             for worker in self.workers.values():
                 if worker.peer is not None and worker.state in ("running", "done"):
                     worker.peer.push(data)

@@ -16,7 +16,7 @@ from xmig.wire import Client, WireError, parse_address
 
 LOST_AGENT_EXIT_CODE = 70
 # orders from the coordinator that the agent hands on to its workers
-PLAN_OPS = ("park", "rebuild", "abort", "pause", "dump", "resume", "release")
+PLAN_OPS = ("park", "rebuild", "abort", "pause", "dump", "resume", "release", "state_digest")
 
 
 class AgentLink:
@@ -115,9 +115,11 @@ class AgentLink:
         self._client.call("ready_for_dump", gpu=gpu, gpu_bytes=gpu_bytes, t=time.time(),
                           timeout=10.0)  # fmt: skip
 
-    def report_done(self, steps: int, params_sha256: str | None) -> None:
-        """Report that the training loop finished ``steps`` steps."""
-        self._client.call("done", steps=steps, params_sha256=params_sha256, timeout=10.0)
+    def report_done(self, steps: int, params_sha256: str | None, checksum: str | None) -> None:
+        """Report that the training loop finished ``steps`` steps (``checksum``: of the
+        parameters, when they are replicas every rank must agree on)."""
+        self._client.call("done", steps=steps, params_sha256=params_sha256, checksum=checksum,
+                          timeout=10.0)  # fmt: skip
 
     def close(self) -> None:
         self._closing = True

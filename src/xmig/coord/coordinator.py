@@ -20,7 +20,7 @@ from xmig.coord.migration import (
 )
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
 from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
-from xmig.wire import Peer, Server, format_address
+from xmig.wire import Peer, Server, format_address, listening_socket
 
 # faults detected within this window of the first one are weighed together: the earliest is
 # the cause, the rest (peers failing because it died) are its consequences
@@ -28,7 +28,8 @@ SETTLE_WINDOW_S = 0.1
 CHECK_INTERVAL_S = 0.1  # how often deadlines and agents' silence are checked
 # reports the decision loop handles in order: recoveries' and migrations' steps
 QUEUED_REPORTS = ("worker_joined", "parked", "recovered", "recovery_failed", "paused",
-                  "pause_refused", "rejoined", "resumed", "dumped", "restored")  # fmt: skip
+                  "pause_refused", "rejoined", "resumed", "dumped", "restored", "verify",
+                  "not_bit_identical")  # fmt: skip
 
 
 def log(text: str) -> None:
@@ -47,12 +48,17 @@ class Coordinator:
 
         self.spec = spec
         self.token = token
+        # c10d's store listens on every interface unless handed a socket: bound to the job's
+        # address only, so that only the job's hosts reach it (its keys carry no token)
+        self._store_socket = listening_socket(spec.master_addr, spec.master_port)
         self.store = dist.TCPStore(
             spec.master_addr,
-            spec.master_port,
+            self._store_socket.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=300),
+            master_listen_fd=self._store_socket.fileno(),
+            use_libuv=True,
         )
         spec.master_port = self.store.port
         self.server = Server(
@@ -68,6 +74,9 @@ class Coordinator:
         self.progress: dict[int, int] = {}
         self.exited: set[int] = set()
         self.released = False  # every rank finished: finished ranks were let go
+        # what the ranks said of each recovery's outcome: generation -> its checks
+        self.checks: dict[int, dict[str, Any]] = {}
+        self.verdict: str | None = None  # why the job's result cannot be trusted, if it cannot
         self.done: dict[int, dict[str, Any]] = {}
         self.faults: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -133,6 +142,8 @@ class Coordinator:
                 }
                 if self.recovery is not None and rank in self.recovery.replaced:
                     self.recovery.from_spare[rank] = bool(msg.get("from_spare"))
+            elif op == "state_digest":
+                self._relay_digest(msg)
             elif op == "unreachable_faults":
                 self._warn_unreachable(msg["faults"], int(msg["total"]))
             elif op == "spares":
@@ -353,6 +364,9 @@ class Coordinator:
         elif kind in ("parked", "recovered", "recovery_failed"):
             with self._lock:
                 self._on_recovery_report(kind, data)
+        elif kind in ("verify", "not_bit_identical"):
+            with self._lock:
+                self._on_check(kind, data)
         elif kind in ("paused", "pause_refused", "rejoined", "resumed", "dumped", "restored",
                       "done_during_migration"):  # fmt: skip
             with self._lock:
@@ -555,12 +569,63 @@ class Coordinator:
 
     def _maybe_release(self) -> None:
         """Once every rank has finished its steps, nobody can need a finished rank's state
-        any more: let them all exit. Until then they stay, able to park and serve."""
+        any more: let them all exit. Until then they stay, able to park and serve. Replicas
+        that end with different parameters fail the job instead."""
         if self.released or self.status != "running":
             return
         if set(self.done) >= set(range(self.spec.world_size)):
+            sums = {r: d.get("checksum") for r, d in self.done.items() if d.get("checksum")}
+            if len(set(sums.values())) > 1:
+                self._distrust(
+                    f"the ranks' parameters differ at the end ({_by_rank(sums)}): "
+                    "DDP's replicas must be equal; the result is not trustworthy"
+                )
+                return
             self.released = True
             self._push_all({"op": "release"})
+
+    def _relay_digest(self, msg: dict[str, Any]) -> None:
+        """The serving rank's digest of the state it sent, to the rank that received it."""
+        recovery = self.recovery
+        plan = recovery.plan if recovery is not None else None
+        if plan is None or int(msg["generation"]) != recovery.generation:  # type: ignore[union-attr]
+            return
+        if int(msg["rank"]) != int(plan["source"]):
+            log(f"ignored a state digest from rank {msg['rank']}, which serves no state")
+            return
+        self._push_all({"op": "state_digest", "generation": int(msg["generation"]),
+                        "rank": int(msg["target"]), "source": int(msg["rank"]),
+                        "digest": str(msg["digest"])})  # fmt: skip
+
+    def _on_check(self, kind: str, data: dict[str, Any]) -> None:
+        """What the ranks say after a recovery: their replicas' checksums (all equal, or the
+        job stops) and whether the recovered run can still be the fault-free run's."""
+        generation = int(data["generation"])
+        checks = self.checks.setdefault(generation, {"verified": None, "sums": {}})
+        if kind == "not_bit_identical":
+            checks["not_bit_identical"] = str(data["why"])
+            log(f"warning: the recovery of generation {generation} is not bit-identical to "
+                f"a run without the fault: {data['why']}")  # fmt: skip
+            return
+        checks["sums"][int(data["rank"])] = data.get("checksum")
+        if len(checks["sums"]) < self.spec.world_size:
+            return
+        sums = {r: c for r, c in checks["sums"].items() if c}
+        checks["verified"] = len(set(sums.values())) <= 1 if sums else None
+        if checks["verified"] is False:
+            self._distrust(f"after the recovery of generation {generation} the ranks' parameters "
+                           f"differ at step {data['step']} ({_by_rank(sums)}): the state was "
+                           "corrupted in transit or the script does not recompute a step the "
+                           "same way")  # fmt: skip
+
+    def _distrust(self, reason: str) -> None:
+        """Stop a job whose result cannot be trusted, saying why."""
+        self.verdict = reason
+        log(f"stopping: {reason}")
+        if self.recovery is not None or self.migration is not None:
+            self._push_all({"op": "abort", "reason": reason})
+            self.recovery = self.migration = None
+        self._stop_job(reason)
 
     def _abort_recovery(self, reason: str) -> None:
         self._give_up("recovery impossible", reason)
@@ -769,6 +834,13 @@ class Coordinator:
             launcher.push({"op": "result", "summary": self.summary})
         self.finished.set()
 
+    def _with_checks(self, record: dict[str, Any]) -> dict[str, Any]:
+        checks = self.checks.get(int(record["generation"]), {})
+        extra = {"verified": checks.get("verified")}
+        if checks.get("not_bit_identical"):
+            extra["not_bit_identical"] = checks["not_bit_identical"]
+        return {**record, **extra}
+
     def _summary(self, outcome: str) -> dict[str, Any]:
         ws = self.spec.world_size
         unfired = self._unfired()
@@ -784,7 +856,9 @@ class Coordinator:
         else:
             steps = min((self.progress.get(r, 0) for r in range(ws)), default=0)
             fingerprint = None
-            if self.primary is not None:
+            if self.verdict is not None:
+                message = f"failed: {self.verdict}"
+            elif self.primary is not None:
                 message = f"failed: {describe_fault(self.primary)}"
                 if self.reason not in (None, "fault"):
                     message += f"; not recovered: {self.reason}"
@@ -804,7 +878,7 @@ class Coordinator:
             "generation": self.generation,
             "faults": [f for f in self.faults if not f.get("secondary")],
             "secondary_faults": [f for f in self.faults if f.get("secondary")],
-            "recoveries": self.recoveries,
+            "recoveries": [self._with_checks(r) for r in self.recoveries],
             "migrations": self.migrations,
             "worker_pids": {str(r): pids for r, pids in sorted(self.worker_pids.items())},
             "coordinator_pid": os.getpid(),
@@ -816,3 +890,7 @@ class Coordinator:
             "stop_s": round(getattr(self, "stop_s", 0.0), 4) if outcome != "completed" else None,
             "duration_s": round(time.time() - self.started_at, 3),
         }
+
+
+def _by_rank(values: dict[int, Any]) -> str:
+    return ", ".join(f"rank {r}: {str(v)[:12]}" for r, v in sorted(values.items()))

@@ -7,6 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# how a survivor came by DDP's bucket layout, as it reports when it parks (xmig.state.ddp)
+LAYOUT_LOCAL = "local"
+LAYOUT_INCONSISTENT = "inconsistent"
+
 
 class RecoveryImpossible(Exception):
     """No plan can bring the job back; the message says why."""
@@ -36,6 +40,19 @@ def plan_rebuild(
             f"rank {early[0]} has not reached session.steps(): in-place recovery needs the "
             "step boundary"
         )
+    layouts = {p["ddp_layout"] for p in positions.values() if p.get("ddp_layout")}
+    if len(layouts) > 1:
+        raise RecoveryImpossible(
+            "the survivors hold different DDP bucket layouts: no replacement can match them all"
+        )
+    sources = {p.get("ddp_layout_source") for p in positions.values()}
+    if LAYOUT_INCONSISTENT in sources:
+        raise RecoveryImpossible(
+            "rank 0 died while sending DDP's bucket layout, and the part its peers received "
+            "differs from their own layout: the rest of it is lost with rank 0"
+        )
+    # the survivors made the layout themselves: whether it is rank 0's shows in its replacement
+    verify_ready_order = LAYOUT_LOCAL in sources
     state_steps = {r: int(p["state_step"]) for r, p in positions.items()}
     low = min(state_steps.values())
     reasons = []
@@ -59,6 +76,7 @@ def plan_rebuild(
         return {
             "op": "rebuild", "generation": generation, "mode": "replay", "step": low,
             "source": source, "pulls": sorted(replaced), "why": None,
+            "verify_ready_order": verify_ready_order,
         }  # fmt: skip
     high = max(state_steps.values())
     source = min(r for r, s in state_steps.items() if s == high)
@@ -66,6 +84,7 @@ def plan_rebuild(
     return {
         "op": "rebuild", "generation": generation, "mode": "rollback", "step": high,
         "source": source, "pulls": sorted([*replaced, *laggards]), "why": reasons[0],
+        "verify_ready_order": verify_ready_order,
     }  # fmt: skip
 
 

@@ -134,6 +134,28 @@ class BufferPool:
                     free.append(tensor)
 
 
+@dataclass(eq=False)
+class IntBroadcast:
+    """A broadcast of one int32 tensor (how DDP sends its bucket layout from rank 0): what
+    this rank put in before the op, and what the op left in the tensor once complete."""
+
+    step: int | None
+    index: int
+    sent: torch.Tensor
+    received: torch.Tensor | None = None
+    local: bool = False  # completed without the network
+
+
+def int_broadcast_payload(op: str, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The tensor of a broadcast of exactly one int32 tensor, else None."""
+    if op != "broadcast":
+        return None
+    tensors = tensors_in(args[0])
+    if len(tensors) == 1 and tensors[0].dtype == torch.int32:
+        return tensors[0]
+    return None
+
+
 @dataclass(eq=False)  # records are compared by identity
 class OpRecord:
     """One op issued by the framework through the proxy."""
@@ -150,6 +172,7 @@ class OpRecord:
     error: str | None = None
     done_event: threading.Event = field(default_factory=threading.Event)
     device: Any = None  # the CUDA device of its tensors (None on CPU)
+    int_broadcast: IntBroadcast | None = None
 
     @property
     def input_tensors(self) -> list[torch.Tensor]:

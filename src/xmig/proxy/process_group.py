@@ -22,12 +22,21 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
-from xmig.proxy.oplog import INPUT_ARGS, BufferPool, OpRecord, signature_of, tensors_in
+from xmig.proxy.oplog import (
+    INPUT_ARGS,
+    BufferPool,
+    IntBroadcast,
+    OpRecord,
+    int_broadcast_payload,
+    signature_of,
+    tensors_in,
+)
 
 FORWARDED_OPS = tuple(INPUT_ARGS)
 GPU_POLL_S = 50e-6
 
 BeforeOp = Callable[[int | None, int, str], None]
+KEPT_INT_BROADCASTS = 8
 
 
 class ReplayMismatch(RuntimeError):
@@ -60,7 +69,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.step: int | None = None
         self.ops_in_step = 0
         self.log: list[OpRecord] = []
-        self.int_broadcasts: list[tuple[int | None, torch.Tensor]] = []
+        self.int_broadcasts: list[IntBroadcast] = []
+        # ops this returns True for are served without the network, also while halted, and
+        # are not logged (DDP's layout broadcasts when their root died)
+        self.local_filter: Callable[[OpRecord], bool] | None = None
         self.expected: dict[int, list[str]] = {}  # step -> signatures a replacement must match
         self.overrides: dict[tuple[int, int], torch.Tensor] = {}
         self.served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
@@ -139,7 +151,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if override is not None:
             with torch.no_grad():
                 tensors_in(args[0])[0].copy_(override)
-        if self.mode == "local":
+        self._track(record)
+        if self.mode == "local" or (self.local_filter is not None and self.local_filter(record)):
             self._serve_locally(record)
             return _create_work_from_future(future)
         if self.keep_log:
@@ -185,12 +198,24 @@ class ProxyProcessGroup(dist.ProcessGroup):
         event = record.done_event = threading.Event()
         work.get_future().add_done_callback(lambda _f: event.set())
 
+    def _track(self, record: OpRecord) -> None:
+        payload = int_broadcast_payload(record.op, record.args)
+        if payload is None:
+            return
+        record.int_broadcast = IntBroadcast(record.step, record.index, payload.detach().clone())
+        with self._cv:
+            self.int_broadcasts.append(record.int_broadcast)
+            del self.int_broadcasts[:-KEPT_INT_BROADCASTS]
+
     def _serve_locally(self, record: OpRecord) -> None:
         if record.op == "broadcast" and self.served:
             with torch.no_grad():
                 tensors_in(record.args[0])[0].copy_(self.served.popleft())
         outputs = record.serve_locally(self.size())
         record.state = "done"
+        if record.int_broadcast is not None:
+            record.int_broadcast.local = True
+            record.int_broadcast.received = tensors_in(record.args[0])[0].detach().clone()
         record.future.set_result(outputs)
 
     # ---- completing -------------------------------------------------------------------------
@@ -237,11 +262,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 _complete(record, record.work, value)
 
     def _remember(self, record: OpRecord) -> None:
-        if record.op == "broadcast":
-            tensors = tensors_in(record.args[0])
-            if len(tensors) == 1 and tensors[0].dtype == torch.int32:
-                self.int_broadcasts.append((record.step, tensors[0].detach().clone()))
-                del self.int_broadcasts[:-8]
+        if record.int_broadcast is not None:
+            record.int_broadcast.received = tensors_in(record.args[0])[0].detach().clone()
         if not self.keep_log:
             record.inputs = None
 
@@ -274,6 +296,28 @@ class ProxyProcessGroup(dist.ProcessGroup):
             abort()
         else:
             threading.Thread(target=abort, name="xmig-abort", daemon=True).start()
+
+    def serve_pending_locally(self) -> None:
+        """Serve the pending ops that ``local_filter`` picks without the network (their
+        input as this rank put it in) and drop them from the log."""
+        with self._cv:
+            picked = [r for r in self._queue if self.local_filter and self.local_filter(r)]
+            for record in picked:
+                self._queue.remove(record)
+                if record in self.log:
+                    self.log.remove(record)
+                if record.int_broadcast is not None:  # a failed receive may have written in it
+                    with torch.no_grad():
+                        tensors_in(record.args[0])[0].copy_(record.int_broadcast.sent)
+                else:
+                    record.restore_inputs()
+                self._serve_locally(record)
+            self._cv.notify_all()
+
+    def forget(self, records: list[OpRecord]) -> None:
+        """Drop done ops from the log: a replay does not re-issue them."""
+        with self._cv:
+            self.log = [r for r in self.log if r not in records]
 
     def pending(self) -> list[OpRecord]:
         with self._cv:

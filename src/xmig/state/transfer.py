@@ -5,13 +5,19 @@ pickle in which every tensor is a reference. The tensors land in one flat buffer
 device type) on the receiver and travel in buckets of consecutive tensors: a large tensor is
 sent as it is (no copy), small ones are packed together, so a pull costs a few hundred
 collectives at most whatever the model's size, and the sender needs at most one bucket of
-extra memory.
+extra memory. Both ends hash what travels (SHA-256 of the structure and of every bucket in
+order, on a few threads beside the transfer): the receiver loads the state only once its digest
+equals the one the sender announced over the authenticated control channel, since the
+communicator itself is reachable by anyone who can reach the job's store.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 import pickle
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,6 +29,7 @@ import torch.distributed as dist
 from xmig.ccl import Communicator
 
 BUCKET_BYTES = 256 * 2**20
+HASH_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
 
 
 @dataclass(frozen=True)
@@ -160,10 +167,61 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     setup_seconds: float = 0.0
+    digest: str = ""  # SHA-256 of what travelled (the structure, then each bucket)
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _sha256(data: Any) -> bytes:
+    return hashlib.sha256(data).digest()  # releases the GIL: the hashing threads run at once
+
+
+class _Digest:
+    """The digest of one transfer, each bucket hashed on a thread of its own as it goes (at
+    most HASH_THREADS at a time). Plain threads, not an executor: a rank that has finished
+    its steps serves peers from its exit handlers, when executors refuse new work."""
+
+    def __init__(self, meta: bytes) -> None:
+        self._parts: list[bytes | None] = []
+        self._slots = threading.BoundedSemaphore(HASH_THREADS)
+        self._threads: list[threading.Thread] = []
+        self._hash(meta)
+
+    def add(self, payload: torch.Tensor) -> None:
+        data = payload.detach()
+        if data.device.type != "cpu":
+            data = data.to("cpu")  # on this thread's stream: after the op that filled it
+        self._hash(data.contiguous().view(torch.uint8).numpy())
+
+    def _hash(self, data: Any) -> None:
+        index = len(self._parts)
+        self._parts.append(None)
+        self._slots.acquire()
+
+        def work() -> None:
+            try:
+                self._parts[index] = _sha256(data)
+            finally:
+                self._slots.release()
+
+        thread = threading.Thread(target=work, name="xmig-hash", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new threads at this point of the interpreter's life
+            work()
+            return
+        self._threads.append(thread)
+
+    def hexdigest(self) -> str:
+        for thread in self._threads:
+            thread.join()
+        digest = hashlib.sha256()
+        for part in self._parts:
+            assert part is not None
+            digest.update(part)
+        return digest.hexdigest()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -184,16 +242,18 @@ def send_state(
     _synchronize(control_device)
     sending = time.monotonic()
     total = 0
+    digest = _Digest(meta)
     specs = pickle.loads(meta)["tensors"]
     for indices in _groups(specs).values():
         for run in buckets(specs, indices, bucket_bytes):
             parts = [tensors[i].reshape(-1) for i in run]
             payload = parts[0] if len(parts) == 1 and parts[0].is_contiguous() else torch.cat(parts)
             _broadcast(comm, payload, control_device)
+            digest.add(payload)
             total += payload.numel() * payload.element_size()
     _synchronize(control_device)
     done = time.monotonic()
-    return TransferStats(total, done - sending, sending - started)
+    return TransferStats(total, done - sending, sending - started, digest.hexdigest())
 
 
 def recv_state(
@@ -208,7 +268,9 @@ def recv_state(
     _broadcast(comm, size, control_device)
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(comm, raw, control_device)
-    meta = _RestrictedUnpickler(io.BytesIO(raw.cpu().numpy().tobytes())).load()
+    meta_bytes = raw.cpu().numpy().tobytes()
+    meta = _RestrictedUnpickler(io.BytesIO(meta_bytes)).load()
+    digest = _Digest(meta_bytes)
     receiving = time.monotonic()
     specs = meta["tensors"]
     tensors: list[torch.Tensor | None] = [None] * len(specs)
@@ -223,6 +285,7 @@ def recv_state(
         for run in buckets(specs, indices, bucket_bytes):
             length = sum(parts[i].numel() for i in run)
             _broadcast(comm, flat[offset : offset + length], control_device)  # in place
+            digest.add(flat[offset : offset + length])
             offset += length
         total += flat.numel() * flat.element_size()
         for i in indices:
@@ -230,4 +293,4 @@ def recv_state(
     state = _fill(meta["structure"], tensors)  # type: ignore[arg-type]
     _synchronize(tensor_device)
     done = time.monotonic()
-    return state, TransferStats(total, done - receiving, receiving - started)
+    return state, TransferStats(total, done - receiving, receiving - started, digest.hexdigest())
