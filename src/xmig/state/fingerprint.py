@@ -24,14 +24,19 @@ def params_sha256(model: torch.nn.Module) -> str:
 
 
 def params_checksum(model: torch.nn.Module) -> str:
-    """A checksum of every parameter's bits, computed on the parameter's own device (no copy
-    to the host): two sums per tensor, one weighted by position, so that a changed, swapped or
-    moved element changes it. For replicas to compare, not a defence against an adversary (the
-    state a replacement pulls is checked with SHA-256)."""
+    """A checksum of every parameter's bits for replicas to compare, computed where the
+    parameter lives: SHA-256 of the bytes on the host; on a GPU (no copy to the host) two
+    sums per tensor, one weighted by position, so that a changed, swapped or moved element
+    changes it. Not a defence against an adversary on the GPU: the state a replacement
+    pulls is checked with SHA-256."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, param in model.named_parameters():
             flat = param.detach().reshape(-1)
+            digest.update(f"{name}|{flat.dtype}|{tuple(param.shape)}|".encode())
+            if flat.device.type == "cpu":
+                digest.update(flat.contiguous().view(torch.uint8).numpy())
+                continue
             bits = flat.view(_BITS[flat.element_size()]) if flat.numel() else flat
             plain = weighted = 0
             for start in range(0, bits.numel(), _CHUNK):
@@ -39,5 +44,5 @@ def params_checksum(model: torch.nn.Module) -> str:
                 positions = torch.arange(start, start + part.numel(), device=part.device)
                 plain += int(part.sum())
                 weighted += int((part * (positions * _GOLDEN + 1)).sum())
-            digest.update(f"{name}|{flat.dtype}|{tuple(param.shape)}|{plain}|{weighted}|".encode())
+            digest.update(f"{plain}|{weighted}|".encode())
     return digest.hexdigest()[:32]

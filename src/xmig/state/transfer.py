@@ -17,6 +17,7 @@ import hashlib
 import io
 import os
 import pickle
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from xmig.ccl import Communicator
 
 BUCKET_BYTES = 256 * 2**20
 HASH_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
+PIECE_BYTES = 16 * 2**20  # what one hashing thread takes at a time
 
 
 @dataclass(frozen=True)
@@ -178,10 +180,28 @@ def _sha256(data: Any) -> bytes:
     return hashlib.sha256(data).digest()  # releases the GIL: the hashing threads run at once
 
 
+# pinned host buffers a GPU process stages pieces in for hashing (a copy into pageable memory
+# runs at ~1 GB/s on a first touch, into pinned memory at ~55 GB/s: measured on an H200)
+_STAGING: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+_staged = 0
+_staging_lock = threading.Lock()
+
+
+def _staging_buffer() -> torch.Tensor:
+    global _staged
+    with _staging_lock:
+        if _staged < HASH_THREADS and _STAGING.empty():
+            _staged += 1
+            return torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True)
+    return _STAGING.get()
+
+
 class _Digest:
-    """The digest of one transfer, each bucket hashed on a thread of its own as it goes (at
-    most HASH_THREADS at a time). Plain threads, not an executor: a rank that has finished
-    its steps serves peers from its exit handlers, when executors refuse new work."""
+    """The digest of one transfer: SHA-256 over the structure's digest and then every piece's
+    (PIECE_BYTES of each bucket, in order), the pieces hashed on threads of their own as the
+    transfer goes (at most HASH_THREADS at a time; a GPU's pieces through pinned buffers).
+    Plain threads, not an executor: a rank that has finished its steps serves peers from its
+    exit handlers, when executors refuse new work."""
 
     def __init__(self, meta: bytes) -> None:
         self._parts: list[bytes | None] = []
@@ -190,20 +210,33 @@ class _Digest:
         self._hash(meta)
 
     def add(self, payload: torch.Tensor) -> None:
-        data = payload.detach()
-        if data.device.type != "cpu":
-            data = data.to("cpu")  # on this thread's stream: after the op that filled it
-        self._hash(data.contiguous().view(torch.uint8).numpy())
+        flat = payload.detach().reshape(-1).contiguous().view(torch.uint8)
+        for start in range(0, flat.numel(), PIECE_BYTES):
+            piece = flat[start : start + PIECE_BYTES]
+            if piece.device.type == "cpu":
+                self._hash(piece.numpy())
+                continue
+            buffer = _staging_buffer()
+            staged = buffer[: piece.numel()]
+            # on this thread's stream: after the op that filled the piece
+            staged.copy_(piece, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._hash(staged.numpy(), copied, buffer)
 
-    def _hash(self, data: Any) -> None:
+    def _hash(self, data: Any, ready: Any = None, buffer: torch.Tensor | None = None) -> None:
         index = len(self._parts)
         self._parts.append(None)
         self._slots.acquire()
 
         def work() -> None:
             try:
+                if ready is not None:
+                    ready.synchronize()
                 self._parts[index] = _sha256(data)
             finally:
+                if buffer is not None:
+                    _STAGING.put(buffer)
                 self._slots.release()
 
         thread = threading.Thread(target=work, name="xmig-hash", daemon=True)
