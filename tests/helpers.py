@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,21 @@ def finish_run(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> Result
 def run(args: list[str], tmp_path: Path, timeout: float = 180.0, env: dict | None = None) -> Result:
     """``xmig run --summary … ARGS``, bounded; asserts afterwards that no process remains."""
     return finish_run(start_run(args, tmp_path, env), tmp_path, timeout)
+
+
+def write_script(tmp_path: Path, body: str, name: str = "worker.py") -> str:
+    """A test's own worker script (dedented) in ``tmp_path``; its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll ``predicate`` until it returns something true, at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

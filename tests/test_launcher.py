@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -14,7 +13,7 @@ import pytest
 from xmig.jobenv import WorkerEnv
 from xmig.launch.launcher import LaunchError, find_job
 
-from helpers import DEMO, finish_run, run, start_run
+from helpers import DEMO, finish_run, run, start_run, wait_for, write_script
 
 NOTE = "does not use xmig"
 
@@ -42,22 +41,6 @@ SLEEPER = """
 """
 
 
-def _script(tmp_path, body, name="worker.py"):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _final_line(result):
     return [line for line in result.output.splitlines() if line.startswith("xmig: job ")][-1]
 
@@ -83,7 +66,7 @@ def test_worker_environment_is_torchruns():
 def test_a_torchrun_script_runs_unchanged(tmp_path):
     """env:// on rank 0 would host the store on MASTER_PORT, which the coordinator holds:
     as under torchrun, every rank is a client of the agent side's store."""
-    script = _script(tmp_path, TORCHRUN_SCRIPT, "plain_ddp.py")
+    script = write_script(tmp_path, TORCHRUN_SCRIPT, "plain_ddp.py")
     result = run(["--nproc-per-node", "2", "--hot-spares", "0", script], tmp_path, timeout=120)
     assert result.returncode == 0, result.output
     assert "rank 0 of 2 done" in result.output and "rank 1 of 2 done" in result.output
@@ -93,7 +76,7 @@ def test_a_torchrun_script_runs_unchanged(tmp_path):
 
 
 def test_a_plain_script_is_reported_without_fault_handling(tmp_path):
-    script = _script(tmp_path, "import time\ntime.sleep(0.1)\n")
+    script = write_script(tmp_path, "import time\ntime.sleep(0.1)\n")
     result = run([script], tmp_path, timeout=60)
     assert result.returncode == 0, result.output
     line = _final_line(result)
@@ -104,7 +87,7 @@ def test_a_plain_script_is_reported_without_fault_handling(tmp_path):
 
 def test_an_xmig_script_without_steps_is_reported_without_fault_handling(tmp_path):
     # it mentions xmig, so no note at the start, but it never reported steps
-    script = _script(tmp_path, "# meant for xmig, not adapted yet\n")
+    script = write_script(tmp_path, "# meant for xmig, not adapted yet\n")
     result = run([script], tmp_path, timeout=60)
     assert result.returncode == 0, result.output
     assert NOTE not in result.output
@@ -114,9 +97,9 @@ def test_an_xmig_script_without_steps_is_reported_without_fault_handling(tmp_pat
 
 def test_sigterm_exit_code_is_in_the_summary(tmp_path):
     proc = start_run(["--nproc-per-node", "2", "--hot-spares", "0",
-                      _script(tmp_path, SLEEPER)], tmp_path)  # fmt: skip
+                      write_script(tmp_path, SLEEPER)], tmp_path)  # fmt: skip
     jobs = tmp_path / "jobs"
-    _wait_for(lambda: jobs.is_dir() and list(jobs.glob("*.json")), 60, "the job file")
+    wait_for(lambda: jobs.is_dir() and list(jobs.glob("*.json")), 60, "the job file")
     proc.send_signal(signal.SIGTERM)
     result = finish_run(proc, tmp_path, timeout=60)  # also: nothing of the job is left
     assert result.returncode == 130, result.output
@@ -178,7 +161,7 @@ def test_a_start_removes_stale_job_files(tmp_path, jobs):
     """A SIGKILLed launcher leaves its job file (with the job's token): the next start removes
     it, and never a live job's."""
     stale, live = _stale_and_live(jobs)
-    result = run([_script(tmp_path, "pass\n")], tmp_path, timeout=60)
+    result = run([write_script(tmp_path, "pass\n")], tmp_path, timeout=60)
     assert result.returncode == 0, result.output
     assert sorted(p.name for p in jobs.iterdir()) == [live.name]
 

@@ -3,29 +3,12 @@
 import json
 import os
 import signal
-import textwrap
 import time
 
 import psutil
 import pytest
 
-from helpers import DEMO, finish_run, job_processes, run, start_run, xmig
-
-
-def _script(tmp_path, body):
-    path = tmp_path / "worker.py"
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+from helpers import DEMO, finish_run, job_processes, run, start_run, wait_for, write_script, xmig
 
 
 def _job_file(tmp_path):
@@ -33,7 +16,7 @@ def _job_file(tmp_path):
         files = list((tmp_path / "jobs").glob("*.json")) if (tmp_path / "jobs").is_dir() else []
         return json.loads(files[0].read_text()) if files else None
 
-    return _wait_for(found, 60, "the job file")
+    return wait_for(found, 60, "the job file")
 
 
 def _pid_files(tmp_path, n):
@@ -43,7 +26,7 @@ def _pid_files(tmp_path, n):
         # a file is created before its PID is written: both must be there
         return [int(t) for t in texts] if len(texts) == n and all(texts) else None
 
-    return _wait_for(found, 60, "the workers' pid files")
+    return wait_for(found, 60, "the workers' pid files")
 
 
 SLEEPER = """
@@ -68,7 +51,7 @@ SPAWNER = """
 def test_children_of_workers_end_with_them(tmp_path):
     """Processes a worker starts end with it: those of a rank killed by a fault at its
     recovery, the others' when the job ends (as torchrun kills each worker's group)."""
-    script = _script(tmp_path, SPAWNER)
+    script = write_script(tmp_path, SPAWNER)
     job = ["--nproc-per-node", "2", "--inject", "kill:rank=1:step=2:at=backward", script,
            str(tmp_path), str(DEMO), "--steps", "5", "--quiet"]  # fmt: skip
     result = run(job, tmp_path)
@@ -81,7 +64,7 @@ def test_children_of_workers_end_with_them(tmp_path):
 
 
 def test_plain_script_exit_code(tmp_path):
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import os, sys, time
@@ -101,7 +84,7 @@ def test_plain_script_exit_code(tmp_path):
 
 def test_external_sigkill(tmp_path, measure):
     proc = start_run(
-        ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
+        ["--nproc-per-node", "2", write_script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
     )
     pids = _pid_files(tmp_path, 2)
     os.kill(pids[1], signal.SIGKILL)
@@ -114,7 +97,7 @@ def test_external_sigkill(tmp_path, measure):
 
 def test_hang_without_steps(tmp_path, measure):
     # a worker that joined with xmig.init() but never reaches session.steps(): still no hang
-    script = _script(
+    script = write_script(
         tmp_path,
         """
         import os, sys, time
@@ -148,12 +131,12 @@ def test_lost_agent_stops_the_job(tmp_path, how):
     the coordinator) is a lost node; with no spare node the job stops, within a bound."""
     proc = start_run(
         ["--nnodes", "2", "--nproc-per-node", "1", "--heartbeat-timeout", "1.5", "--stop-grace",
-         "1", _script(tmp_path, SLEEPER), str(tmp_path), "60"],
+         "1", write_script(tmp_path, SLEEPER), str(tmp_path), "60"],
         tmp_path,
     )  # fmt: skip
     _pid_files(tmp_path, 2)
     launcher = psutil.Process(proc.pid)
-    agent = _wait_for(
+    agent = wait_for(
         lambda: [
             p for p in launcher.children() if "xmig.agent" in p.cmdline() and p.cmdline()[-1] == "1"
         ],
@@ -177,7 +160,7 @@ def test_lost_agent_stops_the_job(tmp_path, how):
 
 def test_interrupt_stops_everything(tmp_path):
     proc = start_run(
-        ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
+        ["--nproc-per-node", "2", write_script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
     )
     _pid_files(tmp_path, 2)
     proc.send_signal(signal.SIGINT)
@@ -188,14 +171,14 @@ def test_interrupt_stops_everything(tmp_path):
 
 def test_killed_launcher_takes_the_job_with_it(tmp_path):
     proc = start_run(
-        ["--nproc-per-node", "2", _script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
+        ["--nproc-per-node", "2", write_script(tmp_path, SLEEPER), str(tmp_path), "60"], tmp_path
     )
     job = _job_file(tmp_path)
     _pid_files(tmp_path, 2)
     assert len(job_processes(job["job_id"])) >= 4  # coordinator, agent, two workers
     proc.kill()
     proc.communicate(timeout=30)
-    _wait_for(lambda: not job_processes(job["job_id"]), 15, "the job's processes to end")
+    wait_for(lambda: not job_processes(job["job_id"]), 15, "the job's processes to end")
 
 
 def test_inject_at_run_time_into_a_hot_spare(tmp_path, measure):
@@ -208,7 +191,7 @@ def test_inject_at_run_time_into_a_hot_spare(tmp_path, measure):
     proc = start_run(job_args, faulty)
     job = _job_file(faulty)
     env = {"XMIG_JOBS_DIR": str(faulty / "jobs")}
-    _wait_for(lambda: "1 hot spare(s) ready" in xmig("status", env=env).stdout, 90,
+    wait_for(lambda: "1 hot spare(s) ready" in xmig("status", env=env).stdout, 90,
               "the hot spare")  # fmt: skip
     wrong = xmig("inject", "kill:rank=1", "--token", "0" * 64, env=env)
     assert wrong.returncode == 2 and "wrong job token" in wrong.stderr

@@ -195,30 +195,7 @@ def test_send_and_recv_state_over_gloo(bucket_bytes):
     assert all(isinstance(k, int) for k in state["optimizer"]["state"])
     assert isinstance(state["optimizer"]["state"][0]["exp_avg"], torch.Tensor)
 
-    store = dist.HashStore()
-    results: dict[str, object] = {}
-    errors: list[BaseException] = []
-
-    def run(rank):
-        try:
-            comm = Communicator("gloo", "pairtest", 0, store, rank, 2, timedelta(seconds=30))
-            if rank == 0:
-                results["sent"] = send_state(comm, state, CPU, bucket_bytes)
-            else:
-                results["received"] = recv_state(comm, CPU, CPU, bucket_bytes)
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "transfer did not finish within 30 s"
-    assert not errors, errors
-
-    got, recv_stats = results["received"]
-    send_stats = results["sent"]
+    send_stats, got, recv_stats = _transfer(state, bucket_bytes)
     _assert_same(got, state)
     # the received tensors are new memory, not the sender's
     assert got["model"]["0.weight"].data_ptr() != state["model"]["0.weight"].data_ptr()
