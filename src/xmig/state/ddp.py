@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xmig.proxy.oplog import IntBroadcast, OpRecord
 
-REBUILD_BROADCASTS = 2
 # where a rank's layout came from, as a survivor reports it when it parks
 FROM_ROOT = "root"  # both payloads from rank 0 over the network
 MIXED = "mixed"  # rank 0's indices (equal to this rank's own) and this rank's own sizes
@@ -51,10 +50,6 @@ def rebuilds(ddp: DistributedDataParallel) -> bool:
     """Whether this DDP rebuilds its buckets after its first iteration (its default; not with
     ``find_unused_parameters`` or a static graph, whose sequences xmig does not model)."""
     return not ddp.find_unused_parameters and not getattr(ddp, "static_graph", False)
-
-
-def has_rebuilt(ddp: DistributedDataParallel) -> bool:
-    return bool(ddp._get_ddp_logging_data().get("has_rebuilt_buckets", 0))
 
 
 def is_layout_head(payload: torch.Tensor) -> bool:
