@@ -295,3 +295,42 @@ def test_record_without_parking_time_counts_zero():
     rec = finished_recovery(plan, replaced=[1], survivors=[0])
     rec.parked_at = None
     assert rec.record()["phases"]["park"] == 0.0
+
+
+# ---- DDP's bucket layout -------------------------------------------------------------------
+
+
+def with_layout(step, digest, source):
+    return {**position(step), "ddp_layout": digest, "ddp_layout_source": source}
+
+
+def test_layout_sources_are_the_workers_names():
+    """The coordinator (no torch) and the worker's DDP module spell the sources alike."""
+    from xmig.coord import recovery
+    from xmig.state import ddp
+
+    assert (recovery.LAYOUT_LOCAL, recovery.LAYOUT_INCONSISTENT) == (ddp.LOCAL, ddp.INCONSISTENT)
+
+
+def test_survivors_with_different_layouts_cannot_be_joined():
+    positions = {1: with_layout(1, "aaaa", "local"), 2: with_layout(1, "bbbb", "local")}
+    with pytest.raises(RecoveryImpossible, match="different DDP bucket layouts"):
+        plan_rebuild(positions, replaced=[0], generation=1)
+
+
+def test_a_layout_half_received_from_a_dead_root_that_differs_is_lost():
+    positions = {1: with_layout(1, "aaaa", "inconsistent"), 2: with_layout(1, "aaaa", "mixed")}
+    with pytest.raises(RecoveryImpossible, match="rest of it is lost"):
+        plan_rebuild(positions, replaced=[0], generation=1)
+
+
+@pytest.mark.parametrize("sources, verify", [
+    (("local", "local"), True),  # nobody saw rank 0's: its replacement checks its order
+    (("mixed", "local"), True),
+    (("root", "root"), False),
+    (("mixed", "mixed"), False),
+])  # fmt: skip
+def test_a_layout_the_survivors_made_themselves_is_verified(sources, verify):
+    positions = {r + 1: with_layout(1, "aaaa", s) for r, s in enumerate(sources)}
+    plan = plan_rebuild(positions, replaced=[0], generation=1)
+    assert plan["mode"] == "replay" and plan["verify_ready_order"] is verify
