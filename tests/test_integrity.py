@@ -2,8 +2,11 @@
 break the communicators through the c10d store, a state altered in transit is refused, and
 replicas that disagree after a recovery stop the job; never a wrong result reported as good."""
 
+import contextlib
 import json
 import os
+import select
+import signal
 import textwrap
 import threading
 import time
@@ -12,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from helpers import DEMO, finish_run, run, start_run
+from helpers import DEMO, finish_run, run, start_run, wait_for
 
 STEPS = 7
 JOB = ["--nproc-per-node", "3", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
@@ -28,10 +31,26 @@ def reference_sha(tmp_path_factory):
     return _REFERENCE["sha"]
 
 
+@contextlib.contextmanager
+def launched(args, tmp_path):
+    """``xmig run ARGS`` started; killed with its whole job should the test fail before it
+    finishes the run itself."""
+    proc = start_run(args, tmp_path)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its job dies with it (parent-death signal)
+            proc.communicate(timeout=30)
+
+
 def _store_port(proc, lines, timeout=60.0):
     """The store port from the launcher's first line (read as the job starts)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        if not ready:
+            break
         line = proc.stdout.readline()
         if not line:
             break
@@ -83,16 +102,17 @@ def test_a_client_without_the_token_cannot_touch_the_communicators(tmp_path, tmp
     generations would use under xmig's former, predictable names: the job's keys are derived
     from its token, so the recovery goes on untouched and the result is bit-identical."""
     expected = reference_sha(tmp_path_factory)
-    proc = start_run([*JOB, "--inject", "kill:rank=0:step=3:at=backward", str(DEMO),
-                      *DEMO_ARGS, "--step-sleep", "0.3"], tmp_path)  # fmt: skip
-    lines: list[str] = []
-    attacker = Attacker(_store_port(proc, lines), prefixes=["", "/", "default_pg/"])
-    attacker.start()
-    try:
-        result = _finish_with(proc, lines, tmp_path)
-    finally:
-        attacker.stop.set()
-        attacker.join(timeout=10)
+    job = [*JOB, "--inject", "kill:rank=0:step=3:at=backward", str(DEMO), *DEMO_ARGS,
+           "--step-sleep", "0.3"]  # fmt: skip
+    with launched(job, tmp_path) as proc:
+        lines: list[str] = []
+        attacker = Attacker(_store_port(proc, lines), prefixes=["", "/", "default_pg/"])
+        attacker.start()
+        try:
+            result = _finish_with(proc, lines, tmp_path)
+        finally:
+            attacker.stop.set()
+            attacker.join(timeout=10)
     assert attacker.writes > 0
     assert result.returncode == 0, result.output
     assert result.summary["final_params_sha256"] == expected
@@ -103,21 +123,19 @@ def test_garbage_under_a_leaked_prefix_stops_the_job_naming_the_store(tmp_path):
     """Should the keys leak after all (here: derived from the token the test reads from the
     job file), garbage in the next generation's keys makes the recovery stop with an error
     that names the store, instead of a bare std::bad_alloc."""
-    proc = start_run([*JOB, "--hot-spares", "0", "--inject", "kill:rank=1:step=4:at=backward",
-                      str(DEMO), *DEMO_ARGS, "--step-sleep", "0.3"], tmp_path)  # fmt: skip
-    lines: list[str] = []
-    port = _store_port(proc, lines)
-    jobs = tmp_path / "jobs"
-    deadline = time.monotonic() + 60
-    while not list(jobs.glob("*.json")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    token = json.loads(next(jobs.glob("*.json")).read_text())["token"]
     from xmig.ccl import store_namespace  # here: xmig's keys were predictable before it
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    for rank in range(3):  # before the fault: the replacement starts long after
-        store.set(f"{store_namespace(token)}/xmig/ccl/world/g1/0/{rank}", os.urandom(48))
-    result = _finish_with(proc, lines, tmp_path)
+    job = [*JOB, "--hot-spares", "0", "--inject", "kill:rank=1:step=4:at=backward", str(DEMO),
+           *DEMO_ARGS, "--step-sleep", "0.3"]  # fmt: skip
+    with launched(job, tmp_path) as proc:
+        lines: list[str] = []
+        port = _store_port(proc, lines)
+        found = wait_for(lambda: list((tmp_path / "jobs").glob("*.json")), 60, "the job file")
+        token = json.loads(found[0].read_text())["token"]
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        for rank in range(3):  # before the fault: the replacement starts long after
+            store.set(f"{store_namespace(token)}/xmig/ccl/world/g1/0/{rank}", os.urandom(48))
+        result = _finish_with(proc, lines, tmp_path)
     assert result.returncode == 1, result.output
     message = result.summary["message"]
     assert f"c10d store at 127.0.0.1:{port}" in message, message
