@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,6 +93,19 @@ def start_run(args: list[str], tmp_path: Path, env: dict | None = None) -> subpr
         env={**os.environ, "XMIG_JOBS_DIR": str(tmp_path / "jobs"), **(env or {})},
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def launched(args: list[str], tmp_path: Path, env: dict | None = None):
+    """``xmig run ARGS`` started; killed with its whole job should the test fail before it
+    has finished the run itself."""
+    proc = start_run(args, tmp_path, env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its job dies with it (parent-death signal)
+            proc.communicate(timeout=30)
 
 
 def finish_run(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> Result:

@@ -2,11 +2,9 @@
 break the communicators through the c10d store, a state altered in transit is refused, and
 replicas that disagree after a recovery stop the job; never a wrong result reported as good."""
 
-import contextlib
 import json
 import os
 import select
-import signal
 import textwrap
 import threading
 import time
@@ -15,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from helpers import DEMO, finish_run, run, start_run, wait_for
+from helpers import DEMO, finish_run, launched, run, wait_for
 
 STEPS = 7
 JOB = ["--nproc-per-node", "3", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
@@ -29,19 +27,6 @@ def reference_sha(tmp_path_factory):
         assert result.returncode == 0, result.output
         _REFERENCE["sha"] = result.summary["final_params_sha256"]
     return _REFERENCE["sha"]
-
-
-@contextlib.contextmanager
-def launched(args, tmp_path):
-    """``xmig run ARGS`` started; killed with its whole job should the test fail before it
-    finishes the run itself."""
-    proc = start_run(args, tmp_path)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its job dies with it (parent-death signal)
-            proc.communicate(timeout=30)
 
 
 def _store_port(proc, lines, timeout=60.0):

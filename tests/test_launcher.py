@@ -13,7 +13,7 @@ import pytest
 from xmig.jobenv import WorkerEnv
 from xmig.launch.launcher import LaunchError, find_job
 
-from helpers import DEMO, finish_run, run, start_run, wait_for, write_script
+from helpers import DEMO, finish_run, launched, run, wait_for, write_script
 
 NOTE = "does not use xmig"
 
@@ -96,12 +96,12 @@ def test_an_xmig_script_without_steps_is_reported_without_fault_handling(tmp_pat
 
 
 def test_sigterm_exit_code_is_in_the_summary(tmp_path):
-    proc = start_run(["--nproc-per-node", "2", "--hot-spares", "0",
-                      write_script(tmp_path, SLEEPER)], tmp_path)  # fmt: skip
     jobs = tmp_path / "jobs"
-    wait_for(lambda: jobs.is_dir() and list(jobs.glob("*.json")), 60, "the job file")
-    proc.send_signal(signal.SIGTERM)
-    result = finish_run(proc, tmp_path, timeout=60)  # also: nothing of the job is left
+    job = ["--nproc-per-node", "2", "--hot-spares", "0", write_script(tmp_path, SLEEPER)]
+    with launched(job, tmp_path) as proc:
+        wait_for(lambda: jobs.is_dir() and list(jobs.glob("*.json")), 60, "the job file")
+        proc.send_signal(signal.SIGTERM)
+        result = finish_run(proc, tmp_path, timeout=60)  # also: nothing of the job is left
     assert result.returncode == 130, result.output
     assert result.summary["exit_code"] == 130
     assert result.summary["interrupted"] == "SIGTERM"
