@@ -1,6 +1,10 @@
 """CPU benchmark: plain DDP vs DDP through xmig's proxy, and recovery time by fault point.
 
-    python bench/recovery_cpu.py [--out bench/results/recovery-cpu.md]
+    python bench/recovery_cpu.py [--out bench/results/recovery-cpu.md] [--baseline SRC]
+
+With ``--baseline SRC`` (the ``src`` folder of another checkout of xmig, e.g. a ``git
+worktree`` of an earlier commit) every measurement runs for both versions in the same run,
+alternating their order, and the report compares them (before = SRC, after = this checkout).
 
 Runs the demo GPT on 2 ranks (gloo). Steady state: plain DDP and DDP through xmig in the same
 processes, steps alternating (``bench/proxy_overhead.py``), at two sizes.
@@ -80,7 +84,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2) -> dict:
+def version_env(src: Path | None) -> dict[str, str] | None:
+    """The environment that runs the xmig in ``src`` (None: this checkout's)."""
+    if src is None:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2,
+           env: dict[str, str] | None = None) -> dict:  # fmt: skip
     """Plain DDP and DDP through xmig in the same processes, steps alternating (ABBA)."""
     out = work / f"{name}.json"
     cmd = [
@@ -89,7 +103,7 @@ def paired(work: Path, name: str, steps: int, model: list[str], nproc: int = 2) 
         str(OVERHEAD),
         "--steps", str(steps), "--warmup", str(WARMUP_STEPS), "--out", str(out), *model,
     ]  # fmt: skip
-    code = bounded(cmd, work / f"{name}.log")
+    code = bounded(cmd, work / f"{name}.log", env=env)
     if code != 0:
         raise RuntimeError(f"the paired run {name} failed with exit code {code}; see {work}")
     result = json.loads(out.read_text())
@@ -110,13 +124,14 @@ def xmig_summary(
     model: list[str] = MODEL,
     nproc: int = 2,
     timeout: float = RUN_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """``xmig run FLAGS demo SCRIPT_FLAGS`` with a summary; returns the summary."""
     summary = work / f"{name}.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(nproc), "--summary",
            str(summary), *flags, str(DEMO), *model, "--steps", str(steps), "--quiet",
            *script_flags]  # fmt: skip
-    bounded(cmd, work / f"{name}.log", timeout)
+    bounded(cmd, work / f"{name}.log", timeout, env=env)
     return json.loads(summary.read_text())
 
 
@@ -142,34 +157,57 @@ def machine() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recovery-cpu.md")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="the src folder of another xmig to compare with, in the same run",
+    )
     args = parser.parse_args()
     command = "python bench/recovery_cpu.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = Path(tempfile.mkdtemp(prefix="xmig-bench-"))
 
-    overhead = {}
-    for name, (model, steps) in SIZES.items():
-        overhead[name] = result = paired(work, name.replace(" ", "_").replace("/", "-"),
-                                         steps, model)  # fmt: skip
-        print(f"{name}: plain {result['median_ms']['plain']:.1f} ms, xmig "
-              f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
-              f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+    envs = {"before": version_env(args.baseline), "after": None}
+    versions = ["before", "after"] if args.baseline else ["after"]
+
+    def in_turn(i: int) -> list[str]:
+        """Both versions, their order alternating from one measurement to the next (ABBA)."""
+        return versions if i % 2 == 0 else versions[::-1]
+
+    every_overhead: dict[str, dict[str, dict]] = {v: {} for v in versions}
+    for i, (name, (model, steps)) in enumerate(SIZES.items()):
+        for version in in_turn(i):
+            slug = f"{version}-{name.replace(' ', '_').replace('/', '-')}"
+            every_overhead[version][name] = result = paired(work, slug, steps, model,
+                                                            env=envs[version])  # fmt: skip
+            print(f"[{version}] {name}: plain {result['median_ms']['plain']:.1f} ms, xmig "
+                  f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
+                  f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
 
     # slow steps (a sleep, which changes no number) give the hot spare time to warm up first
     fault_steps = 16
-    reference = xmig_summary(work, "reference", fault_steps, [], SLOW)
-    recoveries = []
+    references = {v: xmig_summary(work, f"{v}-reference", fault_steps, [], SLOW, env=envs[v])
+                  for v in versions}  # fmt: skip
+    reference = references["after"]
+    every_recovery: dict[str, list] = {v: [] for v in versions}
     cases = [(point, []) for point in POINTS]
     cases += [(point, ["--hot-spares", "0"]) for point in POINTS]
-    for point, extra in cases:
+    for i, (point, extra) in enumerate(cases):
         spec = f"kill:rank=1:step={FAULT_STEP}:at={point}"
-        name = f"kill-{point}{'-cold' if extra else ''}"
-        summary = xmig_summary(work, name, fault_steps, [*extra, "--inject", spec], SLOW)
-        identical = summary["final_params_sha256"] == reference["final_params_sha256"]
-        record = summary["recoveries"][0] if summary["recoveries"] else None
-        recoveries.append((spec, summary, record, identical))
-        total = f"{record['total_s']:.2f} s" if record else summary["message"]
-        print(f"{spec}: {total}, bit-identical {identical}", flush=True)
+        for version in in_turn(i):
+            name = f"{version}-kill-{point}{'-cold' if extra else ''}"
+            summary = xmig_summary(work, name, fault_steps, [*extra, "--inject", spec], SLOW,
+                                   env=envs[version])  # fmt: skip
+            identical = summary["final_params_sha256"] == reference["final_params_sha256"]
+            record = summary["recoveries"][0] if summary["recoveries"] else None
+            every_recovery[version].append((spec, summary, record, identical))
+            total = f"{record['total_s']:.2f} s" if record else summary["message"]
+            print(f"[{version}] {spec}: {total}, bit-identical {identical}", flush=True)
+    overhead, recoveries = every_overhead["after"], every_recovery["after"]
+    comparison = []
+    if args.baseline:
+        comparison = compare_versions(every_overhead, every_recovery, references, args.baseline)
 
     ratios = [r["paired_ratio_median"] for r in overhead.values()]
     goal = ", ".join(f"{'met' if r <= 1.01 else 'not met'} ({r:.4f}, {n})"
@@ -254,8 +292,50 @@ def main() -> int:
         "the replacement recomputes the step up to the parked collective.",
         "",
     ]
-    write_report(args.out, lines)
+    write_report(args.out, [*lines, *comparison])
     return 0
+
+
+def compare_versions(overhead: dict, recoveries: dict, references: dict, baseline: Path) -> list:
+    """The before/after section: the same measurements of both versions, in one run."""
+    same = references["before"]["final_params_sha256"] == references["after"]["final_params_sha256"]
+    lines = [
+        "## Before and after, in the same run",
+        "",
+        f"Before: the xmig in `{baseline}`; after: this checkout. Every measurement ran for "
+        "both, their order alternating from one measurement to the next. The fault-free runs "
+        f"of both end with {'the same' if same else 'DIFFERENT'} parameters.",
+        "",
+        "| measurement | before | after | after / before |",
+        "|---|---|---|---|",
+    ]
+    for name in overhead["after"]:
+        b, a = (overhead[v][name]["paired_ratio_median"] for v in ("before", "after"))
+        lines.append(f"| steady state, {name} (paired ratio to plain DDP) | {b:.4f} | {a:.4f} | "
+                     f"{a / b:.4f} |")  # fmt: skip
+    ratios = []
+    for (spec, _, before, ok_b), (_, _, after, ok_a) in zip(
+        recoveries["before"], recoveries["after"], strict=True
+    ):
+        if before is None or after is None:
+            lines.append(f"| recovery `{spec}` | {'ok' if before else 'FAILED'} | "
+                         f"{'ok' if after else 'FAILED'} | |")  # fmt: skip
+            continue
+        origin = "hot spare" if all(after.get("from_spare") or [False]) else "cold start"
+        ratio = after["total_s"] / before["total_s"]
+        ratios.append(ratio)
+        lines.append(
+            f"| recovery `{spec}`, {origin} (s; bit-identical {ok_b}/{ok_a}) | "
+            f"{before['total_s']:.2f} | {after['total_s']:.2f} | {ratio:.3f} |"
+        )
+    if ratios:
+        lines += [
+            "",
+            f"Recovery time after / before: median {statistics.median(ratios):.3f} "
+            f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(ratios)} faults.",
+            "",
+        ]
+    return lines
 
 
 if __name__ == "__main__":

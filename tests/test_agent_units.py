@@ -1,8 +1,15 @@
-"""The agent's decisions that need no processes."""
+"""The agent's decisions that need no processes, and its spare pool without a job."""
+
+import json
+import os
+import selectors
+import sys
 
 import pytest
 
-from xmig.agent.agent import spare_may_start
+from xmig.agent.spare import READY_FD
+from xmig.agent.spares import Spare, SparePool, spare_may_start
+from xmig.jobspec import JobSpec
 
 
 @pytest.mark.parametrize(
@@ -19,3 +26,92 @@ def test_spare_warms_up_beside_starting_workers_only_where_cores_allow(
     cores, workers, spares, starting, expected
 ):
     assert spare_may_start(cores, workers, spares, starting) is expected
+
+
+# a stand-in for ``python -m xmig.agent.spare`` (no torch): says it is ready when told to by
+# its environment, then writes the order it gets on stdin to the file its environment names
+FAKE_SPARE = """
+import os, sys
+if os.environ.get("FAKE_READY") == "1":
+    os.write(int(os.environ["XMIG_SPARE_READY_FD"]), b"1")
+    os.close(int(os.environ["XMIG_SPARE_READY_FD"]))
+line = sys.stdin.readline()
+with open(os.environ["FAKE_ORDER"], "w") as out:
+    out.write(line)
+"""
+
+
+@pytest.fixture
+def environ(tmp_path):
+    """What the pool starts its next spare with (a test may change it)."""
+    return {**os.environ, "FAKE_ORDER": str(tmp_path / "order.json"), "FAKE_READY": "1"}
+
+
+@pytest.fixture
+def pool(environ):
+    selector = selectors.DefaultSelector()
+    pool = SparePool(selector, lambda: dict(environ), wanted=1,
+                     command=[sys.executable, "-c", FAKE_SPARE])  # fmt: skip
+    yield pool
+    pool.stop()
+    selector.close()
+
+
+def _spec(tmp_path):
+    return JobSpec(job_id="j", script="/train.py", args=["--steps", "3"], cwd=str(tmp_path))
+
+
+def _wait_ready(pool):
+    """As the agent's main loop does: its selector says which spare's pipe is readable."""
+    for key, _ in pool._selector.select(timeout=30):
+        assert isinstance(key.data, Spare)
+        return pool.on_ready(key.data)
+    raise AssertionError("no spare said anything within 30 s")
+
+
+def test_take_without_a_ready_spare_is_none(pool, environ, tmp_path):
+    assert pool.take({"A": "1"}, _spec(tmp_path)) is None  # none started
+    environ["FAKE_READY"] = "0"
+    pool.start(str(tmp_path))
+    assert len(pool) == 1 and pool.ready_count == 0
+    assert pool.take({"A": "1"}, _spec(tmp_path)) is None  # started, not ready
+    assert len(pool) == 1
+
+
+def test_a_ready_spare_is_handed_the_workers_order(pool, tmp_path):
+    spare = pool.keep(str(tmp_path), workers=1, workers_starting=False)
+    assert spare is not None and READY_FD not in os.environ
+    assert pool.keep(str(tmp_path), workers=1, workers_starting=False) is None  # has its one
+    assert _wait_ready(pool) is True
+    assert pool.ready_count == 1
+    proc = pool.take({"RANK": "3"}, _spec(tmp_path))
+    assert proc is spare.proc
+    assert proc.wait(timeout=30) == 0
+    order = json.loads((tmp_path / "order.json").read_text())
+    assert order == {"env": {"RANK": "3"}, "script": "/train.py", "args": ["--steps", "3"],
+                     "cwd": str(tmp_path)}  # fmt: skip
+    assert len(pool) == 0
+    # a taken spare is replaced, but not at once (so as not to slow a recovery)
+    assert pool.keep(str(tmp_path), workers=1, workers_starting=False) is None
+
+
+def test_a_spare_that_dies_warming_up_is_dropped(pool, environ, tmp_path):
+    environ["FAKE_READY"] = "0"
+    spare = pool.start(str(tmp_path))
+    spare.proc.stdin.close()  # it exits without saying it is ready
+    assert _wait_ready(pool) is False
+    assert len(pool) == 0 and spare.proc.returncode is not None
+
+
+def test_stop_kills_every_spare_and_starts_no_more(pool, environ, tmp_path):
+    environ["FAKE_READY"] = "0"
+    waiting = pool.start(str(tmp_path))
+    environ["FAKE_READY"] = "1"
+    ready = pool.start(str(tmp_path))
+    while pool.ready_count < 1:
+        _wait_ready(pool)
+    pool.stop()
+    assert len(pool) == 0 and pool.wanted == 0
+    assert waiting.proc.returncode is not None and ready.proc.returncode is not None
+    assert not pool._selector.get_map()  # nothing left watched
+    assert pool.keep(str(tmp_path), workers=0, workers_starting=False) is None

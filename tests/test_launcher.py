@@ -163,7 +163,10 @@ def test_a_start_removes_stale_job_files(tmp_path, jobs):
     stale, live = _stale_and_live(jobs)
     result = run([write_script(tmp_path, "pass\n")], tmp_path, timeout=60)
     assert result.returncode == 0, result.output
-    assert sorted(p.name for p in jobs.iterdir()) == [live.name]
+    assert sorted(p.name for p in jobs.glob("*.json")) == [live.name]
+    # the finished job left its folder: its event log, which names how it ended
+    (log,) = jobs.glob("*/events.jsonl")
+    assert '"event": "outcome"' in log.read_text().splitlines()[-1]
 
 
 def test_a_fault_beyond_the_last_step_is_an_error(tmp_path):

@@ -1,9 +1,12 @@
 """Recovery plans: replay when the survivors' logs allow it, roll back otherwise, and the
 record a finished recovery leaves behind."""
 
+from dataclasses import replace
+
 import pytest
 
 from xmig.coord.recovery import Recovery, RecoveryImpossible, describe_recovery, plan_rebuild
+from xmig.protocol import FaultRecord, Position, Rebuild, Recovered
 
 SUM = "allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"
 MAX = "allreduce|(10,):torch.float32|reduceOp=RedOpType.MAX"
@@ -12,15 +15,15 @@ GATHER = "allgather|(4,);(4,)|(4,):torch.float32|"
 
 def position(step, stepped=False, log_from=None, keep_log=True, signatures=None):
     """What a survivor reports when it parks at ``step``."""
-    return {
-        "step": step,
-        "state_step": step + 1 if stepped else step,
-        "log_from": step - 1 if log_from is None else log_from,
-        "keep_log": keep_log,
-        "signatures": {str(step): [SUM]} if signatures is None else signatures,
-        "pending": 0 if stepped else 1,
-        "optimizer_waiting": False,
-    }
+    return Position(
+        step=step,
+        state_step=step + 1 if stepped else step,
+        log_from=step - 1 if log_from is None else log_from,
+        keep_log=keep_log,
+        signatures={str(step): [SUM]} if signatures is None else signatures,
+        pending=0 if stepped else 1,
+        optimizer_waiting=False,
+    )
 
 
 # ---- replay --------------------------------------------------------------------------------
@@ -34,14 +37,14 @@ def test_replay_resumes_at_the_lowest_state_step():
         3: position(3),
     }
     plan = plan_rebuild(positions, replaced=[5, 1], generation=7)
-    assert plan["op"] == "rebuild"
-    assert plan["generation"] == 7
-    assert plan["mode"] == "replay"
-    assert plan["step"] == 3
-    assert plan["source"] in (2, 3)
-    assert positions[plan["source"]]["state_step"] == 3
-    assert plan["pulls"] == [1, 5]
-    assert plan["why"] is None
+    assert isinstance(plan, Rebuild)
+    assert plan.generation == 7
+    assert plan.mode == "replay"
+    assert plan.step == 3
+    assert plan.source in (2, 3)
+    assert positions[plan.source].state_step == 3
+    assert plan.pulls == [1, 5]
+    assert plan.why is None
 
 
 def test_replay_source_prefers_the_longest_log_of_the_resume_step():
@@ -54,17 +57,17 @@ def test_replay_source_prefers_the_longest_log_of_the_resume_step():
         3: position(3, stepped=True, signatures={"3": [SUM, GATHER, SUM, MAX]}),
     }
     plan = plan_rebuild(positions, replaced=[4], generation=1)
-    assert plan["mode"] == "replay"
-    assert plan["step"] == 3
-    assert plan["source"] == 1
-    assert plan["pulls"] == [4]
+    assert plan.mode == "replay"
+    assert plan.step == 3
+    assert plan.source == 1
+    assert plan.pulls == [4]
 
 
 def test_replay_source_ties_go_to_the_lowest_rank():
     positions = {r: position(2) for r in (3, 1, 2)}
     plan = plan_rebuild(positions, replaced=[0], generation=2)
-    assert plan["mode"] == "replay"
-    assert plan["source"] == 1
+    assert plan.mode == "replay"
+    assert plan.source == 1
 
 
 def test_prefix_consistent_logs_still_replay():
@@ -76,11 +79,11 @@ def test_prefix_consistent_logs_still_replay():
         3: position(4, signatures={}),
     }
     plan = plan_rebuild(positions, replaced=[], generation=3)
-    assert plan["mode"] == "replay"
-    assert plan["step"] == 4
-    assert plan["source"] == 1
-    assert plan["pulls"] == []
-    assert plan["why"] is None
+    assert plan.mode == "replay"
+    assert plan.step == 4
+    assert plan.source == 1
+    assert plan.pulls == []
+    assert plan.why is None
 
 
 def test_replay_with_survivors_in_different_steps():
@@ -90,9 +93,9 @@ def test_replay_with_survivors_in_different_steps():
         1: position(5, log_from=4, signatures={"4": [SUM], "5": [SUM]}),
     }
     plan = plan_rebuild(positions, replaced=[2], generation=1)
-    assert plan["mode"] == "replay"
-    assert plan["step"] == 5
-    assert plan["source"] == 1
+    assert plan.mode == "replay"
+    assert plan.step == 5
+    assert plan.source == 1
 
 
 # ---- rollback ------------------------------------------------------------------------------
@@ -107,22 +110,22 @@ def test_rollback_when_the_replay_log_is_off():
         4: position(3, keep_log=False),  # state_step 3
     }
     plan = plan_rebuild(positions, replaced=[5, 3], generation=4)
-    assert plan["mode"] == "rollback"
-    assert plan["generation"] == 4
-    assert plan["step"] == 4
-    assert plan["source"] == 0
-    assert plan["pulls"] == [1, 3, 4, 5]
-    assert "replay log" in plan["why"]
+    assert plan.mode == "rollback"
+    assert plan.generation == 4
+    assert plan.step == 4
+    assert plan.source == 0
+    assert plan.pulls == [1, 3, 4, 5]
+    assert "replay log" in plan.why
 
 
 def test_rollback_when_one_survivor_keeps_no_log():
     positions = {0: position(3, stepped=True), 1: position(3, keep_log=False)}
     plan = plan_rebuild(positions, replaced=[2], generation=1)
-    assert plan["mode"] == "rollback"
-    assert plan["step"] == 4
-    assert plan["source"] == 0
-    assert plan["pulls"] == [1, 2]
-    assert "replay log" in plan["why"]
+    assert plan.mode == "rollback"
+    assert plan.step == 4
+    assert plan.source == 0
+    assert plan.pulls == [1, 2]
+    assert "replay log" in plan.why
 
 
 def test_rollback_when_a_log_starts_after_the_lowest_state_step():
@@ -132,20 +135,20 @@ def test_rollback_when_a_log_starts_after_the_lowest_state_step():
         1: position(6),  # state_step 6
     }
     plan = plan_rebuild(positions, replaced=[2], generation=2)
-    assert plan["mode"] == "rollback"
-    assert plan["step"] == 7
-    assert plan["source"] == 0
-    assert plan["pulls"] == [1, 2]
-    assert "6" in plan["why"]
-    assert "log" in plan["why"]
+    assert plan.mode == "rollback"
+    assert plan.step == 7
+    assert plan.source == 0
+    assert plan.pulls == [1, 2]
+    assert "6" in plan.why
+    assert "log" in plan.why
 
 
 def test_rollback_when_a_log_start_is_unknown():
     positions = {0: position(6, log_from=6), 1: position(6)}
-    positions[0]["log_from"] = None
+    positions[0] = replace(positions[0], log_from=None)
     plan = plan_rebuild(positions, replaced=[2], generation=2)
-    assert plan["mode"] == "rollback"
-    assert plan["why"] is not None
+    assert plan.mode == "rollback"
+    assert plan.why is not None
 
 
 def test_rollback_when_survivors_logged_different_ops():
@@ -155,12 +158,12 @@ def test_rollback_when_survivors_logged_different_ops():
         1: position(3, signatures={"3": [SUM, MAX]}),  # state_step 3
     }
     plan = plan_rebuild(positions, replaced=[2], generation=5)
-    assert plan["mode"] == "rollback"
-    assert plan["step"] == 4
-    assert plan["source"] == 0
-    assert plan["pulls"] == [1, 2]
-    assert "different ops" in plan["why"]
-    assert "3" in plan["why"]
+    assert plan.mode == "rollback"
+    assert plan.step == 4
+    assert plan.source == 0
+    assert plan.pulls == [1, 2]
+    assert "different ops" in plan.why
+    assert "3" in plan.why
 
 
 def test_rollback_at_the_same_step_pulls_only_the_replaced():
@@ -170,10 +173,10 @@ def test_rollback_at_the_same_step_pulls_only_the_replaced():
         1: position(3, signatures={"3": [MAX]}),
     }
     plan = plan_rebuild(positions, replaced=[2], generation=1)
-    assert plan["mode"] == "rollback"
-    assert plan["step"] == 3
-    assert plan["source"] == 0
-    assert plan["pulls"] == [2]
+    assert plan.mode == "rollback"
+    assert plan.step == 3
+    assert plan.source == 0
+    assert plan.pulls == [2]
 
 
 # ---- impossible ----------------------------------------------------------------------------
@@ -181,7 +184,7 @@ def test_rollback_at_the_same_step_pulls_only_the_replaced():
 
 def test_impossible_before_the_step_boundary():
     positions = {0: position(3), 1: position(3)}
-    positions[1]["state_step"] = None
+    positions[1] = replace(positions[1], state_step=None)
     with pytest.raises(RecoveryImpossible, match=r"session\.steps\(\)") as info:
         plan_rebuild(positions, replaced=[2], generation=1)
     assert "rank 1" in str(info.value)
@@ -199,29 +202,33 @@ PHASES = ["detect", "park", "respawn", "rebuild", "pull", "replay"]
 
 def finished_recovery(plan, replaced, survivors, t0=1000.0):
     """A recovery whose every rank resumed, with made-up but consistent times."""
+    primary = FaultRecord(rank=2, node=0, pid=1, attempt=0, kind="kill", detail="", step=3,
+                          t_fault=t0, t_detected=t0 + 0.25, fault_time_source="detection",
+                          detected_after_s=0.25)  # fmt: skip
     rec = Recovery(
-        generation=plan["generation"],
-        primary={"rank": 2, "kind": "kill", "step": 3, "t_fault": t0, "detected_after_s": 0.25},
+        generation=plan.generation,
+        primary=primary,
         replaced=replaced,
         survivors=survivors,
         started=t0 + 0.5,
+        deadline=t0 + 100,
     )
     rec.parked_at = t0 + 0.75
     rec.plan = plan
     for r in replaced:
         rec.joined[r] = t0 + 3.5
     for i, r in enumerate(survivors):
-        rec.recovered[r] = {
-            "phases": {"rebuild": 0.5 + 0.1 * i, "replay": 0.2 + 0.1 * i},
-            "pull": None,
-            "t_resumed": t0 + 4.0 + 0.1 * i,
-        }
+        rec.recovered[r] = Recovered(
+            generation=plan.generation, role="survivor", rank=r,
+            phases={"rebuild": 0.5 + 0.1 * i, "replay": 0.2 + 0.1 * i},
+            pull=None, t_resumed=t0 + 4.0 + 0.1 * i,
+        )  # fmt: skip
     for r in replaced:
-        rec.recovered[r] = {
-            "phases": {"rebuild": 9.0, "replay": 9.0},  # joiners do not count for these
-            "pull": {"bytes": 2_000_000_000, "seconds": 0.5},
-            "t_resumed": t0 + 4.5,
-        }
+        rec.recovered[r] = Recovered(
+            generation=plan.generation, role="replacement", rank=r,
+            phases={"rebuild": 9.0, "replay": 9.0},  # joiners do not count for these
+            pull={"bytes": 2_000_000_000, "seconds": 0.5}, t_resumed=t0 + 4.5,
+        )  # fmt: skip
     return rec
 
 
@@ -229,7 +236,7 @@ def test_record_of_a_respawn():
     plan = plan_rebuild({0: position(3), 1: position(3)}, replaced=[2], generation=1)
     rec = finished_recovery(plan, replaced=[2], survivors=[0, 1])
     assert rec.expected == {0, 1, 2}
-    record = rec.record()
+    record = rec.record(1000.0)
     assert record["mode"] == "respawn"
     assert record["generation"] == 1
     assert record["rank"] == 2
@@ -237,7 +244,7 @@ def test_record_of_a_respawn():
     assert record["fault_kind"] == "kill"
     assert record["step"] == 3
     assert record["resume_step"] == 3
-    assert record["source"] == plan["source"]
+    assert record["source"] == plan.source
     assert record["why_rollback"] is None
     assert list(record["phases"]) == PHASES
     assert record["phases"]["detect"] == pytest.approx(0.25)
@@ -260,7 +267,7 @@ def test_record_of_a_respawn():
 def test_record_of_an_in_place_retry():
     plan = plan_rebuild({0: position(3), 1: position(3)}, replaced=[], generation=2)
     rec = finished_recovery(plan, replaced=[], survivors=[0, 1])
-    record = rec.record()
+    record = rec.record(1000.0)
     assert record["mode"] == "in-place retry"
     assert list(record["phases"]) == PHASES
     assert record["phases"]["respawn"] == 0.0
@@ -277,7 +284,7 @@ def test_record_of_a_rollback():
     positions = {0: position(3, stepped=True, keep_log=False), 1: position(3, keep_log=False)}
     plan = plan_rebuild(positions, replaced=[2], generation=3)
     rec = finished_recovery(plan, replaced=[2], survivors=[0, 1])
-    record = rec.record()
+    record = rec.record(1000.0)
     assert record["mode"] == "rollback"
     assert record["resume_step"] == 4
     assert record["source"] == 0
@@ -294,14 +301,14 @@ def test_record_without_parking_time_counts_zero():
     plan = plan_rebuild({0: position(3)}, replaced=[1], generation=1)
     rec = finished_recovery(plan, replaced=[1], survivors=[0])
     rec.parked_at = None
-    assert rec.record()["phases"]["park"] == 0.0
+    assert rec.record(1000.0)["phases"]["park"] == 0.0
 
 
 # ---- DDP's bucket layout -------------------------------------------------------------------
 
 
 def with_layout(step, digest, source):
-    return {**position(step), "ddp_layout": digest, "ddp_layout_source": source}
+    return replace(position(step), ddp_layout=digest, ddp_layout_source=source)
 
 
 def test_layout_sources_are_the_workers_names():
@@ -333,4 +340,4 @@ def test_a_layout_half_received_from_a_dead_root_that_differs_is_lost():
 def test_a_layout_the_survivors_made_themselves_is_verified(sources, verify):
     positions = {r + 1: with_layout(1, "aaaa", s) for r, s in enumerate(sources)}
     plan = plan_rebuild(positions, replaced=[0], generation=1)
-    assert plan["mode"] == "replay" and plan["verify_ready_order"] is verify
+    assert plan.mode == "replay" and plan.verify_ready_order is verify

@@ -49,7 +49,7 @@ try:
 except xmig.XmigError as exc:
     print("refused:", exc)
     sys.exit(3)
-print("found:", session._ddp() is ddp)
+print("found:", session._ctx.registry.ddp is ddp)
 """
 
 
@@ -68,3 +68,29 @@ def test_the_ddp_of_a_registered_module(tmp_path, which, code, expected):
                           timeout=120, env=env, check=False)  # fmt: skip
     assert proc.returncode == code, proc.stderr
     assert expected in proc.stdout
+
+
+UNFIRED_SCRIPT = """
+import xmig
+session = xmig.init()
+for step in session.steps(2):
+    pass
+print("phase:", session.phase.value)
+"""
+
+
+@pytest.mark.parametrize("level, shown", [("INFO", True), ("ERROR", False)])
+def test_worker_lines_go_to_stderr_with_the_xmig_prefix(tmp_path, level, shown):
+    """Without an agent, a fault the loop never reaches is said on stderr, through the
+    ``xmig`` logger at the level ``XMIG_LOG_LEVEL`` names."""
+    script = tmp_path / "worker.py"
+    script.write_text(UNFIRED_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XMIG_", "MASTER_"))}
+    env["XMIG_INJECT"] = '[{"kind": "kill", "rank": 0, "step": 9, "at": "boundary"}]'
+    env["XMIG_LOG_LEVEL"] = level
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "phase: finished" in proc.stdout
+    line = "xmig: rank 0: faults never reached: kill:rank=0:step=9:at=boundary"
+    assert (line in proc.stderr.splitlines()) is shown, proc.stderr

@@ -1,5 +1,5 @@
-"""State transfer: a peer's structure is unpickled with a whitelist, and a real state dict
-crosses a two-rank gloo communicator intact."""
+"""State transfer: a peer's structure is unpickled with a whitelist, a real state dict
+crosses a two-rank gloo communicator intact, and so does a replacement's whole payload."""
 
 import io
 import os
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xmig.ccl import Communicator
-from xmig.state import transfer
+from xmig.state import DdpPayload, PayloadError, ReplacementPayload, transfer
 from xmig.state.transfer import (
     BUCKET_BYTES,
     TensorRef,
@@ -208,3 +208,53 @@ def test_send_and_recv_state_over_gloo(bucket_bytes):
     assert send_stats.seconds >= 0 and recv_stats.seconds >= 0
     # both ends hashed the same bytes: the receiver's check against the announced digest
     assert len(send_stats.digest) == 64 and recv_stats.digest == send_stats.digest
+
+
+# ---- a replacement's payload -----------------------------------------------------------------
+
+
+def _payload():
+    layout = [
+        torch.tensor([2, 0, 1, 2], dtype=torch.int32),
+        torch.tensor([1, 2], dtype=torch.int32),
+    ]
+    return ReplacementPayload(
+        step=5,
+        mode="replay",
+        first_step=0,
+        state=_sample_state(),
+        ddp=DdpPayload(layout=layout, ready_order=[2, 0, 1], verify_ready_order=True),
+        signatures=["allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"],
+    )
+
+
+def test_a_replacement_payload_crosses_a_pair_intact():
+    """What the serving survivor sends travels as plain containers (the receiver's unpickler
+    builds nothing else) and comes back as the same payload."""
+    payload = _payload()
+    sent, got, received = _transfer(payload.to_wire(), BUCKET_BYTES)
+    assert received.digest == sent.digest
+    back = ReplacementPayload.from_wire(got)
+    assert (back.step, back.mode, back.first_step) == (5, "replay", 0)
+    assert back.signatures == payload.signatures
+    _assert_same(back.state, payload.state)
+    _assert_same(back.ddp.layout, payload.ddp.layout)
+    assert back.ddp.in_step is None and back.ddp.in_step_index == 0
+    assert back.ddp.ready_order == [2, 0, 1] and back.ddp.verify_ready_order is True
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda w: w.pop("signatures"), "does not have the fields"),
+    (lambda w: w.update(mode="redo"), "unknown mode"),
+    (lambda w: w.update(step="5"), "step is not an integer"),
+    (lambda w: w.update(state=[1]), "state is not a mapping"),
+    (lambda w: w["ddp"].update(layout=[1, 2]), "ddp.layout is not a list of tensors"),
+    (lambda w: w["ddp"].update(ready_order=[0, "1"]), "ddp.ready_order"),
+    (lambda w: w["ddp"].update(verify_ready_order=1), "ddp.verify_ready_order"),
+    (lambda w: w.update(signatures=[3]), "signatures is not a list of strings"),
+])  # fmt: skip
+def test_a_payload_that_is_not_one_is_refused(change, why):
+    wire = _payload().to_wire()
+    change(wire)
+    with pytest.raises(PayloadError, match=why):
+        ReplacementPayload.from_wire(wire)

@@ -5,13 +5,15 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from xmig.session import Session, XmigError, init
+    from xmig.session import RecoveryFailed, ReplayMismatch, Session, XmigError, init
 
-__all__ = ["Session", "XmigError", "__version__", "init"]
+__all__ = ["RecoveryFailed", "ReplayMismatch", "Session", "XmigError", "__version__", "init"]
+
+_FROM_SESSION = ("init", "Session", "XmigError", "RecoveryFailed", "ReplayMismatch")
 
 
 def __getattr__(name: str):  # the launcher and agents must not pay for importing torch
-    if name in ("init", "Session", "XmigError"):
+    if name in _FROM_SESSION:
         from xmig import session
 
         return getattr(session, name)

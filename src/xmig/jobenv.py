@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from xmig.faults.spec import FaultSpec
+from xmig.jobspec import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_KEEP_LOG,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    JobSpec,
+)
 
 JOB_ID = "XMIG_JOB_ID"
 TOKEN = "XMIG_TOKEN"
@@ -20,6 +29,7 @@ ATTEMPT = "XMIG_ATTEMPT"
 GENERATION = "XMIG_GENERATION"
 KEEP_LOG = "XMIG_KEEP_LOG"
 RECOVERY_TIMEOUT = "XMIG_RECOVERY_TIMEOUT"
+LOG_LEVEL = "XMIG_LOG_LEVEL"
 
 ROLE_NAME = "default"  # torchrun's one role
 
@@ -37,11 +47,12 @@ class WorkerEnv:
     token: str | None = None
     agent_addr: str | None = None
     node_rank: int = 0
-    heartbeat_interval: float = 0.5
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S
     attempt: int = 0
     generation: int = 0
-    keep_log: bool = True
-    recovery_timeout: float = 120.0
+    keep_log: bool = DEFAULT_KEEP_LOG
+    recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S
+    log_level: str = DEFAULT_LOG_LEVEL
     faults: list[FaultSpec] = field(default_factory=list)
     # job-wide numbers torchrun also hands its workers; left out of the environment when unknown
     nnodes: int | None = None
@@ -49,6 +60,47 @@ class WorkerEnv:
     # torchrun's restarts of the whole worker group, which xmig never does: a fault stops a
     # script without xmig, and an xmig script's ranks are replaced one by one instead
     max_restarts: int = 0
+
+    @classmethod
+    def for_rank(
+        cls,
+        spec: JobSpec,
+        rank: int,
+        local_rank: int,
+        *,
+        node_rank: int,
+        token: str | None = None,
+        agent_addr: str | None = None,
+        attempt: int = 0,
+        generation: int = 0,
+        fired: Iterable[dict] = (),
+    ) -> WorkerEnv:
+        """The environment of ``rank``'s worker in the job ``spec`` describes: the faults to
+        inject into it are the spec's for that rank, less those already carried out
+        (``fired``) and migrations (the coordinator carries those out)."""
+        fired = list(fired)
+        faults = [FaultSpec.from_json(f) for f in spec.faults if f["rank"] == rank
+                  and f not in fired and f["kind"] != "migrate"]  # fmt: skip
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=spec.world_size,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            job_id=spec.job_id,
+            token=token,
+            agent_addr=agent_addr,
+            node_rank=node_rank,
+            heartbeat_interval=spec.heartbeat_interval,
+            attempt=attempt,
+            generation=generation,
+            keep_log=spec.keep_log,
+            recovery_timeout=spec.recovery_timeout,
+            log_level=spec.log_level,
+            faults=faults,
+            nnodes=spec.nnodes,
+            local_world_size=spec.nproc_per_node,
+        )
 
     @property
     def replacement(self) -> bool:
@@ -83,6 +135,7 @@ class WorkerEnv:
             GENERATION: str(self.generation),
             KEEP_LOG: "1" if self.keep_log else "0",
             RECOVERY_TIMEOUT: str(self.recovery_timeout),
+            LOG_LEVEL: self.log_level,
             INJECT: json.dumps([f.to_json() for f in self.faults]),
         }
         if self.nnodes is not None:
@@ -106,17 +159,18 @@ class WorkerEnv:
             rank=int(env.get("RANK", "0")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", "0")),
+            master_addr=env.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
+            master_port=int(env.get("MASTER_PORT", str(DEFAULT_MASTER_PORT))),
             job_id=env.get(JOB_ID),
             token=env.get(TOKEN),
             agent_addr=env.get(AGENT_ADDR),
             node_rank=int(env.get(NODE_RANK, "0")),
-            heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, "0.5")),
+            heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_INTERVAL_S)),
             attempt=int(env.get(ATTEMPT, "0")),
             generation=int(env.get(GENERATION, "0")),
-            keep_log=env.get(KEEP_LOG, "1") != "0",
-            recovery_timeout=float(env.get(RECOVERY_TIMEOUT, "120")),
+            keep_log=env.get(KEEP_LOG, "1" if DEFAULT_KEEP_LOG else "0") != "0",
+            recovery_timeout=float(env.get(RECOVERY_TIMEOUT, DEFAULT_RECOVERY_TIMEOUT_S)),
+            log_level=env.get(LOG_LEVEL, DEFAULT_LOG_LEVEL),
             faults=faults,
             nnodes=_int_or_none(env.get("GROUP_WORLD_SIZE")),
             local_world_size=_int_or_none(env.get("LOCAL_WORLD_SIZE")),

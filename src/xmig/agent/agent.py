@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
+import logging
 import os
 import queue
 import select
@@ -15,16 +17,59 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xmig.agent.spare import READY_FD as SPARE_READY_FD
-from xmig.faults.spec import FaultSpec
+from xmig.agent.spares import Spare, SparePool
 from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
+from xmig.jobspec import JobSpec
 from xmig.migrate import criu, cuda, netif, stream
+from xmig.migrate.mover import MigrationError, ProcessMover
 from xmig.procs import die_with_parent, group_members, kill_group
+from xmig.protocol import (
+    CATALOGUE,
+    AgentAlive,
+    AgentHello,
+    CommError,
+    CriuStatus,
+    Done,
+    Dump,
+    Dumped,
+    Fault,
+    FaultRecord,
+    Heartbeat,
+    Hello,
+    InjectFault,
+    Injecting,
+    Message,
+    NodeDying,
+    Party,
+    Progress,
+    ProtocolError,
+    ReadyForDump,
+    Relay,
+    Respawn,
+    Restore,
+    Restored,
+    Shutdown,
+    Spares,
+    StepStarted,
+    Stopped,
+    StopWorkers,
+    WorkerDone,
+    WorkerError,
+    WorkerExited,
+    WorkerJoined,
+    WorkerStarted,
+    decode,
+    encode,
+    fields_of,
+)
 from xmig.wire import Client, Peer, Server, WireError, format_address
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +125,52 @@ class AdoptedProcess:
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+# ---- the agent's own events (besides the coordinator's orders) -----------------------------
+@dataclass(frozen=True)
+class ToCoordinator:
+    """A message for the coordinator, sent from the main loop."""
+
+    msg: Message
+
+
+@dataclass(frozen=True)
+class WorkerTrouble:
+    """A live worker reported an error (``error``) or a failed collective (``comm_error``)."""
+
+    rank: int
+    pid: int
+    kind: str
+    detail: str
+    wall: float
+    step: int | None
+    generation: int | None
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """An injected node loss is about to happen."""
+
+    fault: dict[str, Any]
+    t: float
+
+
+@dataclass(frozen=True)
+class DumpNow:
+    """The moving rank is quiet: checkpoint it."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class DumpFinished:
+    result: Dumped
+
+
+@dataclass(frozen=True)
+class CoordLost:
+    """The connection to the coordinator ended."""
+
+
 def stdio_resources(fds: dict[str, str]) -> dict[int, str]:
     """For a worker's stdout/stderr on its old node (``/proc/PID/fd`` link targets), the CRIU
     resource each stands for: a pipe, a socket or a log file there; /dev/null and the like
@@ -95,27 +186,6 @@ def stdio_resources(fds: dict[str, str]) -> dict[int, str]:
         if resource not in resources.values():
             resources[int(fd)] = resource
     return resources
-
-
-@dataclass
-class Spare:
-    """A pre-started interpreter (``xmig.agent.spare``) waiting to become a worker."""
-
-    proc: subprocess.Popen
-    ready_fd: int
-    ready: bool = False
-
-
-SPARE_DELAY_S = 5.0  # a new spare waits this long, so its start does not slow a recovery
-CORES_PER_PROCESS = 2  # cores a node needs per worker and spare to warm spares up beside them
-
-
-def spare_may_start(cores: int, workers: int, spares_wanted: int, workers_starting: bool) -> bool:
-    """Whether a spare may start its warm-up now. On a node with cores for every worker and
-    spare, spares warm up beside the starting workers (ready sooner, on a GPU node about the
-    time training begins); on a smaller one they wait until the workers are up, so as not to
-    slow the workers' own start."""
-    return not workers_starting or cores >= CORES_PER_PROCESS * (workers + spares_wanted)
 
 
 def describe_exit(returncode: int) -> tuple[str, str]:
@@ -146,78 +216,100 @@ class Agent:
         # what dead workers had started, adopted by this agent (child subreaper): reaped here
         self._orphans: set[int] = set()
         self.fired: dict[int, list[dict[str, Any]]] = {}  # injected faults already carried out
-        self.spares: list[Spare] = []
-        self._dump_orders: dict[int, dict[str, Any]] = {}
-        self._spare_due = 0.0
-        self.job: dict[str, Any] = {}
-        self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._dump_orders: dict[int, Dump] = {}
+        self._job: JobSpec | None = None
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # wants none until the job's spec says how many (then none again once stopping)
+        self.spares = SparePool(self._selector, self._base_environ)
+        self.mover = ProcessMover()
         self.server: Server | None = None
         self.coord: Client | None = None
 
+    @property
+    def job(self) -> JobSpec:
+        """The job's spec, from the coordinator (known once ``run`` has said hello)."""
+        if self._job is None:
+            raise RuntimeError("the agent has no job spec before it said hello")
+        return self._job
+
     # ---- events from other threads -------------------------------------------------------
-    def _post(self, kind: str, data: Any = None) -> None:
-        self._events.put((kind, data))
+    def _post(self, event: Any) -> None:
+        self._events.put(event)
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
-    def _on_coord_push(self, msg: dict[str, Any]) -> None:
-        self._post(msg.get("op", ""), msg)
+    def _on_coord_push(self, frame: dict[str, Any]) -> None:
+        try:
+            self._post(decode(frame, Party.AGENT, Party.COORDINATOR))
+        except ProtocolError as exc:
+            log.warning("warning: agent %d rejected a message from the coordinator: %s",
+                        self.node_rank, exc)  # fmt: skip
 
     def _on_coord_lost(self) -> None:
-        self._post("coord_lost")
+        self._post(CoordLost())
 
-    def _on_worker_message(self, peer: Peer, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _on_worker_message(self, peer: Peer, frame: dict[str, Any]) -> dict[str, Any] | None:
         rank = int(peer.info.get("rank", -1))
-        op = msg.get("op")
+        try:
+            msg = decode(frame, Party.AGENT, Party.WORKER)
+        except ProtocolError as exc:
+            log.warning("warning: agent %d rejected a message from rank %d: %s",
+                        self.node_rank, rank, exc)  # fmt: skip
+            raise ValueError(f"rejected: {exc}") from None
         now, wall = time.monotonic(), time.time()
         with self._lock:
             worker = self.workers.get(rank)
             if worker is None or worker.pid != int(peer.info.get("pid", -1)):
                 raise ValueError(f"no worker with rank {rank} and that pid on this node")
             worker.last_beat, worker.last_beat_wall = now, wall
-            if op == "hello":
-                worker.peer = peer
-                worker.state = "running"
-                self._post(
-                    "forward",
-                    (
-                        "worker_joined",
-                        {"rank": rank, "pid": worker.pid, "attempt": worker.attempt, "t": wall},
-                    ),
-                )
-            elif op in ("hb", "step"):
-                if msg.get("step") is not None and msg.get("step") != worker.step:
-                    worker.step = msg["step"]
-                    self._post("progress", (rank, worker.step))
-            elif op == "injecting":
-                worker.announced = {"fault": msg["fault"], "t": msg["t"], "step": msg.get("step")}
-                self.fired.setdefault(rank, []).append(msg["fault"])
-                if msg["fault"]["kind"] == "node":
-                    self._post("node_loss", (msg["fault"], msg["t"]))
-            elif op == "comm_error":
-                self._post("comm_error", (rank, worker.pid, msg, wall))
-            elif op in ("parked", "recovered", "recovery_failed", "paused", "pause_refused",
-                        "rejoined", "resumed", "unreachable_faults", "state_digest", "verify",
-                        "not_bit_identical"):  # fmt: skip
-                fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
-                self._post("forward", (op, {"rank": rank, **fields}))
-            elif op == "error":
-                self._post("worker_error", (rank, worker.pid, msg, wall))
-            elif op == "ready_for_dump":
-                worker.state = "migrating"  # its link closes next; that is not a fault
-                gpu = msg.get("gpu")
-                worker.gpu = cuda.canonical_uuid(gpu) if gpu is not None else None
-                worker.gpu_bytes = int(msg.get("gpu_bytes", 0))
-                self._post("dump_now", rank)
-            elif op == "done":
-                worker.state = "done"
-                self._post("done", (rank, msg))
+            if msg.FORWARD:  # a report for the coordinator: who sent it, its connection says
+                self._post(ToCoordinator(dataclasses.replace(msg, rank=rank)))  # type: ignore[call-arg]
+                return {}
+            WORKER_HANDLERS[type(msg)](self, worker, peer, msg, wall)
         return {}
+
+    def _worker_hello(self, worker: Worker, peer: Peer, msg: Hello, wall: float) -> None:
+        worker.peer = peer
+        worker.state = "running"
+        self._post(ToCoordinator(WorkerJoined(rank=worker.rank, pid=worker.pid,
+                                              attempt=worker.attempt, t=wall)))  # fmt: skip
+
+    def _worker_step(self, worker: Worker, peer: Peer, msg: Heartbeat | StepStarted,
+                     wall: float) -> None:  # fmt: skip
+        if msg.step is not None and msg.step != worker.step:
+            worker.step = msg.step
+            self._post(ToCoordinator(Progress(rank=worker.rank, step=msg.step)))
+
+    def _worker_injecting(self, worker: Worker, peer: Peer, msg: Injecting, wall: float) -> None:
+        worker.announced = {"fault": msg.fault, "t": msg.t, "step": msg.step}
+        self.fired.setdefault(worker.rank, []).append(msg.fault)
+        if msg.fault.get("kind") == "node":
+            self._post(NodeLoss(msg.fault, msg.t))
+
+    def _worker_trouble(self, worker: Worker, peer: Peer, msg: CommError | WorkerError,
+                        wall: float) -> None:  # fmt: skip
+        kind = "comm_error" if isinstance(msg, CommError) else "error"
+        generation = msg.generation if isinstance(msg, CommError) else None
+        self._post(WorkerTrouble(worker.rank, worker.pid, kind, msg.error, wall, msg.step,
+                                 generation))  # fmt: skip
+
+    def _worker_ready_for_dump(self, worker: Worker, peer: Peer, msg: ReadyForDump,
+                               wall: float) -> None:  # fmt: skip
+        worker.state = "migrating"  # its link closes next; that is not a fault
+        worker.gpu = cuda.canonical_uuid(msg.gpu) if msg.gpu is not None else None
+        worker.gpu_bytes = msg.gpu_bytes
+        self._post(DumpNow(worker.rank))
+
+    def _worker_done(self, worker: Worker, peer: Peer, msg: Done, wall: float) -> None:
+        worker.state = "done"
+        self._post(ToCoordinator(WorkerDone(rank=worker.rank, steps=msg.steps,
+                                            params_sha256=msg.params_sha256,
+                                            checksum=msg.checksum)))  # fmt: skip
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> int:
@@ -233,13 +325,15 @@ class Agent:
         # a restored (migrated) worker's restorer exits at once: the worker becomes ours
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
         netns = os.stat("/proc/self/ns/net").st_ino
-        reply = self.coord.call("agent_hello", node=self.node_rank, pid=os.getpid(), netns=netns)
-        self.job = reply["job"]
-        self.heartbeat_timeout = float(self.job["heartbeat_timeout"])
+        hello = AgentHello(node=self.node_rank, pid=os.getpid(), netns=netns)
+        reply = self.coord.call(hello.OP, **fields_of(hello))
+        self._job = JobSpec.from_json(reply["job"])
+        self.heartbeat_timeout = self.job.heartbeat_timeout
+        self.spares.wanted = self.job.hot_spares
         threading.Thread(target=self._keep_alive, name="xmig-alive", daemon=True).start()
         threading.Thread(target=self._report_criu, name="xmig-criu", daemon=True).start()
-        nproc = int(self.job["nproc_per_node"])
-        if self.node_rank < int(self.job["nnodes"]):  # a spare node starts idle
+        nproc = self.job.nproc_per_node
+        if self.node_rank < self.job.nnodes:  # a spare node starts idle
             for local_rank in range(nproc):
                 self._spawn(self.node_rank * nproc + local_rank, local_rank, attempt=0)
         while True:
@@ -249,84 +343,74 @@ class Agent:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                 elif isinstance(key.data, Spare):
-                    self._spare_ready(key.data)
+                    if self.spares.on_ready(key.data):
+                        self._notify_spares()
                 else:
                     self._reap(key.data)
             if self._orphans:
                 self._reap_orphans()
             while True:
                 try:
-                    kind, data = self._events.get_nowait()
+                    event = self._events.get_nowait()
                 except queue.Empty:
                     break
-                result = self._handle_event(kind, data)
+                result = EVENT_HANDLERS[type(event)](self, event)
                 if result is not None:
                     return result
             self._check_heartbeats()
-            self._keep_spares()
+            starting = any(w.state == "starting" for w in self.workers.values())
+            self.spares.keep(self.job.cwd, len(self.workers), starting)
 
     def _keep_alive(self) -> None:
         """Tell the coordinator this node lives, on a thread of its own (the main loop may
         be busy stopping workers)."""
-        interval = float(self.job["heartbeat_interval"])
+        interval = self.job.heartbeat_interval
         while True:
             time.sleep(interval)
             try:
                 assert self.coord is not None
-                self.coord.notify("agent_alive")
+                self.coord.notify(AgentAlive.OP)
             except WireError:
                 return
 
     def _report_criu(self) -> None:
         usable, detail = criu.criu_status()
-        self._post("forward", ("criu", {"node": self.node_rank, "usable": usable,
-                                        "detail": detail, "gpus": cuda.node_gpus()}))  # fmt: skip
+        self._post(ToCoordinator(CriuStatus(node=self.node_rank, usable=usable, detail=detail,
+                                            gpus=cuda.node_gpus())))  # fmt: skip
 
     # ---- migration ----------------------------------------------------------------------------
-    def _dump(self, rank: int) -> None:
+    def _dump(self, rank: int, order: Dump) -> None:
         """Checkpoint a paused worker that closed its connections (on a thread of its own)."""
-        worker, order = self.workers[rank], self._dump_orders.pop(rank)
+        worker = self.workers[rank]
         fds = {}
         for fd in (1, 2):  # pipes shared with the launcher: the target hands its own on
             with contextlib.suppress(OSError):
                 fds[str(fd)] = os.readlink(f"/proc/{worker.pid}/fd/{fd}")
-        generation = order["generation"]
-        gpu_s, gpu_times, gpus_before = 0.0, {}, []
+        failed = Dumped(rank=rank, node=self.node_rank, generation=order.generation, ok=False,
+                        pid=worker.pid)  # fmt: skip
         try:
-            if worker.gpu is not None:  # its GPU memory goes into its host memory first
-                held = cuda.process_gpu_bytes(worker.pid, worker.gpu)
-                if held is not None:  # its own share (the worker said what its GPU holds)
-                    worker.gpu_bytes = held
-                gpus_before = cuda.machine_gpus()
-                checkpoint = cuda.GpuCheckpoint(worker.pid)
-                gpu_s, gpu_times = checkpoint.save(), checkpoint.times
-            started = time.monotonic()
-            criu.dump(worker.pid, order["images"], tcp_close=True)
-        except (criu.CriuError, cuda.GpuCheckpointError) as exc:
-            self._post("dumped", (rank, {"ok": False, "error": str(exc),
-                                         "generation": generation}))  # fmt: skip
+            # GPU memory first, then CRIU; its own interface is for the target node to take
+            done = self.mover.checkpoint(worker.pid, order.images, worker.gpu,
+                                         gpu_bytes=worker.gpu_bytes,
+                                         interface=netif.rank_interface(rank))  # fmt: skip
+        except MigrationError as exc:
+            self._post(DumpFinished(dataclasses.replace(failed, error=str(exc))))
             return
-        took = time.monotonic() - started
-        interface = None
-        name = netif.rank_interface(rank)
-        if netif.exists(name):  # the target node's agent takes it into its namespace
-            with contextlib.suppress(netif.InterfaceError):
-                interface = {"name": name, "address": netif.address_of(name),
-                             "netns": os.environ.get(netif.NETNS_ENV)}  # fmt: skip
-        size = sum(f.stat().st_size for f in Path(order["images"]).iterdir() if f.is_file())
-        result = {"ok": True, "dump_s": took, "image_bytes": size, "fds": fds,
-                  "generation": generation, "gpu": worker.gpu, "gpu_bytes": worker.gpu_bytes,
-                  "gpu_checkpoint_s": gpu_s, "gpu_times": gpu_times,
-                  "gpus_before": gpus_before, "interface": interface}  # fmt: skip
-        if order.get("serve"):
-            result["serve"] = self._serve_images(order["images"])
-        self._post("dumped", (rank, result))
+        worker.gpu_bytes = done.gpu_bytes
+        result = dataclasses.replace(
+            failed, ok=True, dump_s=done.dump_s, image_bytes=done.image_bytes, fds=fds,
+            gpu=worker.gpu, gpu_bytes=done.gpu_bytes, gpu_checkpoint_s=done.gpu_checkpoint_s,
+            gpu_times=done.gpu_times, gpus_before=list(done.gpus_before),
+            interface=done.interface,
+            serve=self._serve_images(order.images) if order.serve else None,
+        )  # fmt: skip
+        self._post(DumpFinished(result))
 
     def _serve_images(self, folder: str) -> list[Any]:
         """Offer the images to the target node's agent (once); remove them when sent."""
         assert self.coord is not None
         host = self.coord.conn.sock.getsockname()[0]  # this node's address, as others see it
-        limit = float(self.job.get("recovery_timeout", 120.0))
+        limit = self.job.recovery_timeout
         server = stream.ImageServer(folder, self.token, host, timeout=limit)
 
         def clean_up() -> None:
@@ -336,27 +420,28 @@ class Agent:
         threading.Thread(target=clean_up, name="xmig-images-cleanup", daemon=True).start()
         return list(server.address)
 
-    def _dumped(self, rank: int, result: dict[str, Any]) -> None:
-        worker = self.workers[rank]
-        if result["ok"]:
+    def _dump_finished(self, event: DumpFinished) -> None:
+        result = event.result
+        worker = self.workers[result.rank]
+        if result.ok:
             if worker.state != "exited":
                 self._reap(worker)  # CRIU ended it; its PID must be free for the restore
-            del self.workers[rank]
-        self._notify("dumped", rank=rank, node=self.node_rank, pid=worker.pid, **result)
+            del self.workers[result.rank]
+        self._send(result)
 
-    def _restore(self, order: dict[str, Any]) -> None:
+    def _restore(self, order: Restore) -> None:
         """Bring a migrated worker back in this node (its network namespace) and adopt it."""
-        rank, pid = int(order["rank"]), int(order["pid"])
-        rejoin = Path(order["rejoin_file"])
+        rank, pid = order.rank, order.pid
+        failed = Restored(rank=rank, node=self.node_rank, generation=order.generation, ok=False)
+        rejoin = Path(order.rejoin_file)
         transfer_s = 0.0
-        if order.get("fetch"):
+        if order.fetch:
             try:
-                limit = float(self.job.get("recovery_timeout", 120.0))
-                _, transfer_s = stream.fetch_images(tuple(order["fetch"]), self.token,
-                                                    order["images"], limit)  # fmt: skip
+                limit = self.job.recovery_timeout
+                _, transfer_s = stream.fetch_images(tuple(order.fetch), self.token,
+                                                    order.images, limit)  # fmt: skip
             except stream.StreamError as exc:
-                self._notify("restored", rank=rank, node=self.node_rank, ok=False,
-                             error=str(exc), generation=order["generation"])  # fmt: skip
+                self._send(dataclasses.replace(failed, error=str(exc)))
                 return
         assert self.server is not None
         partial = rejoin.with_suffix(".partial")
@@ -364,190 +449,141 @@ class Agent:
                  "agent_pid": os.getpid()}  # fmt: skip
         partial.write_text(json.dumps(where))
         os.replace(partial, rejoin)
-        worker = Worker(rank=rank, local_rank=int(order["local_rank"]), proc=AdoptedProcess(pid),
-                        pidfd=-1, attempt=int(order["attempt"]))  # fmt: skip
+        worker = Worker(rank=rank, local_rank=order.local_rank, proc=AdoptedProcess(pid),
+                        pidfd=-1, attempt=order.attempt)  # fmt: skip
         with self._lock:
             self.workers[rank] = worker  # before it says hello
         # the worker's output goes where this agent's goes (duplicates handed to criu)
-        inherit = {os.dup(fd): res for fd, res in stdio_resources(order.get("fds", {})).items()}
-        started = time.monotonic()
-        gpu_s, gpu_times, target = 0.0, {}, None
+        inherit = {os.dup(fd): res for fd, res in stdio_resources(order.fds).items()}
         try:
-            interface = order.get("interface")
-            if interface:
-                netif.take(interface["name"], interface["address"], interface["netns"])
-            criu.restore(order["images"], tcp_close=True, inherit_fds=inherit)
-            took = time.monotonic() - started
-            if order.get("gpu") is not None:  # onto this node's GPU for its local rank
-                target = cuda.device_uuid(int(order["local_rank"]))
-                pairs = cuda.restore_pairs(order["gpu"], target, order.get("gpus_before", []),
-                                           cuda.machine_gpus())  # fmt: skip
-                checkpoint = cuda.GpuCheckpoint(pid)
-                gpu_s, gpu_times = checkpoint.load(pairs), checkpoint.times
-        except (criu.CriuError, cuda.GpuCheckpointError, netif.InterfaceError) as exc:
+            # its interface taken over, CRIU, then its GPU memory onto this node's GPU
+            done = self.mover.restore(order.images, pid, order.local_rank, gpu=order.gpu,
+                                      gpus_before=order.gpus_before, interface=order.interface,
+                                      inherit_fds=inherit)  # fmt: skip
+        except MigrationError as exc:
             with self._lock:
                 del self.workers[rank]
-            self._notify("restored", rank=rank, node=self.node_rank, ok=False, error=str(exc),
-                         generation=order["generation"])  # fmt: skip
+            self._send(dataclasses.replace(failed, error=str(exc)))
             return
         finally:
             for fd in inherit:
                 os.close(fd)
         worker.pidfd = os.pidfd_open(pid)
         self._selector.register(worker.pidfd, selectors.EVENT_READ, worker)
-        self._notify("restored", rank=rank, node=self.node_rank, ok=True, pid=pid,
-                     restore_s=took, gpu_restore_s=gpu_s, transfer_s=transfer_s,
-                     gpu_times=gpu_times, to_gpu=target,
-                     generation=order["generation"])  # fmt: skip
-        shutil.rmtree(order["images"], ignore_errors=True)  # the worker removes the rejoin file
+        self._send(dataclasses.replace(
+            failed, ok=True, pid=pid, restore_s=done.restore_s, gpu_restore_s=done.gpu_restore_s,
+            transfer_s=transfer_s, gpu_times=done.gpu_times, to_gpu=done.to_gpu,
+        ))  # fmt: skip
+        shutil.rmtree(order.images, ignore_errors=True)  # the worker removes the rejoin file
 
-    def _lose_node(self, fault: dict[str, Any], t: float) -> None:
+    def _lose_node(self, event: NodeLoss) -> None:
         """An injected node loss: every process of this node dies at once, this agent too."""
         with contextlib.suppress(WireError):
             assert self.coord is not None
-            self.coord.call("node_dying", node=self.node_rank, fault=fault, t=t, timeout=5.0)
-        print(f"xmig: node {self.node_rank} going down (injected {fault['kind']} fault)",
-              file=sys.stderr, flush=True)  # fmt: skip
+            dying = NodeDying(node=self.node_rank, fault=event.fault, t=event.t)
+            self.coord.call(dying.OP, timeout=5.0, **fields_of(dying))
+        log.warning("node %d going down (injected %s fault)", self.node_rank,
+                    event.fault.get("kind"))  # fmt: skip
         for worker in [*self.workers.values(), *self.retired]:
             kill_group(worker.pid, signal.SIGKILL)
-        for spare in self.spares:
-            kill_group(spare.proc.pid, signal.SIGKILL)
+        self.spares.kill_groups()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _handle_event(self, kind: str, data: Any) -> int | None:
-        if kind == "progress":
-            rank, step = data
-            self._notify("progress", rank=rank, step=step)
-        elif kind == "worker_error":
-            rank, pid, msg, wall = data
-            worker = self.workers.get(rank)
-            if worker is not None and worker.pid == pid and worker.state != "stopping":
-                worker.state = "faulted"
-                self._report_fault(
-                    worker, "error", msg.get("error", "?"), wall, step=msg.get("step")
-                )
-        elif kind == "done":
-            rank, msg = data
-            self._notify(
-                "worker_done",
-                rank=rank,
-                steps=msg.get("steps"),
-                params_sha256=msg.get("params_sha256"),
-                checksum=msg.get("checksum"),
-            )
-        elif kind == "comm_error":
-            rank, pid, msg, wall = data
-            worker = self.workers.get(rank)
-            if worker is not None and worker.pid == pid:
-                self._report_fault(
-                    worker,
-                    "comm_error",
-                    msg.get("error", "?"),
-                    wall,
-                    step=msg.get("step"),
-                    generation=msg.get("generation"),
-                )
-        elif kind == "forward":
-            op, fields = data
-            self._notify(op, **fields)
-        elif kind in ("park", "rebuild", "abort", "pause", "resume", "release", "state_digest"):
-            for worker in self.workers.values():
-                if worker.peer is not None and worker.state in ("running", "done"):
-                    worker.peer.push(data)
-        elif kind == "dump":
-            worker = self.workers.get(int(data["rank"]))
-            self._dump_orders[int(data["rank"])] = data
-            if worker is None or worker.peer is None or not worker.peer.push(data):
-                self._notify("dumped", rank=int(data["rank"]), node=self.node_rank, ok=False,
-                             error="the rank is not connected to its agent",
-                             generation=data["generation"])  # fmt: skip
-        elif kind == "dump_now":
-            threading.Thread(target=self._dump, args=(data,), name="xmig-dump",
-                             daemon=True).start()  # fmt: skip
-        elif kind == "dumped":
-            self._dumped(*data)
-        elif kind == "restore":
-            self._restore(data)
-        elif kind == "respawn":
-            rank = int(data["rank"])
-            old = self.workers.get(rank)
-            if old is not None and old.state != "exited":
-                # a replaced process must be gone (one that reported an error may still be
-                # exiting); it stays watched until it is reaped
-                old.state = "faulted"
-                kill_group(old.pid, signal.SIGKILL)
-                self.retired.append(old)
-            known = self.fired.setdefault(rank, [])
-            known.extend(f for f in data.get("fired", []) if f not in known)
-            self._spawn(
-                rank,
-                int(data.get("local_rank", rank % int(self.job["nproc_per_node"]))),
-                attempt=int(data.get("attempt", (old.attempt + 1) if old else 1)),
-                generation=int(data["generation"]),
-            )
-        elif kind == "node_loss":
-            self._lose_node(*data)
-        elif kind == "inject":
-            self._deliver_fault(msg=data)
-        elif kind == "stop":
-            self._stop_workers(float(data.get("grace", self.job.get("stop_grace", 3.0))))
-            self._notify("stopped", node=self.node_rank)
-        elif kind == "shutdown":
-            self._stop_workers(0.0)
-            return 0
-        elif kind == "coord_lost":
-            print(
-                f"xmig: agent {self.node_rank} lost the coordinator; stopping its workers",
-                file=sys.stderr,
-                flush=True,
-            )
-            self._stop_workers(0.0)
-            return 1
-        return None
+    # ---- the main loop's events, by type -------------------------------------------------------
+    def _to_coordinator(self, event: ToCoordinator) -> None:
+        self._send(event.msg)
 
-    def _notify(self, op: str, **fields: Any) -> None:
+    def _trouble(self, event: WorkerTrouble) -> None:
+        worker = self.workers.get(event.rank)
+        if worker is None or worker.pid != event.pid:
+            return
+        if event.kind == "error":
+            if worker.state == "stopping":
+                return
+            worker.state = "faulted"
+        self._report_fault(worker, event.kind, event.detail, event.wall, step=event.step,
+                           generation=event.generation)  # fmt: skip
+
+    def _relay(self, order: Message) -> None:
+        """A coordinator's order for every worker of this node that can hear it."""
+        frame = encode(order)
+        for worker in self.workers.values():
+            if worker.peer is not None and worker.state in ("running", "done"):
+                worker.peer.push(frame)
+
+    def _dump_order(self, order: Dump) -> None:
+        worker = self.workers.get(order.rank)
+        self._dump_orders[order.rank] = order
+        if worker is None or worker.peer is None or not worker.peer.push(encode(order)):
+            self._send(Dumped(rank=order.rank, node=self.node_rank,
+                              generation=order.generation, ok=False,
+                              error="the rank is not connected to its agent"))  # fmt: skip
+
+    def _dump_now(self, event: DumpNow) -> None:
+        order = self._dump_orders.pop(event.rank)
+        threading.Thread(target=self._dump, args=(event.rank, order), name="xmig-dump",
+                         daemon=True).start()  # fmt: skip
+
+    def _respawn(self, order: Respawn) -> None:
+        old = self.workers.get(order.rank)
+        if old is not None and old.state != "exited":
+            # a replaced process must be gone (one that reported an error may still be
+            # exiting); it stays watched until it is reaped
+            old.state = "faulted"
+            kill_group(old.pid, signal.SIGKILL)
+            self.retired.append(old)
+        known = self.fired.setdefault(order.rank, [])
+        known.extend(f for f in order.fired if f not in known)
+        self._spawn(order.rank, order.local_rank, attempt=order.attempt,
+                    generation=order.generation)  # fmt: skip
+
+    def _inject(self, order: InjectFault) -> None:
+        worker = self.workers.get(order.rank)
+        if worker is None or worker.peer is None or not worker.peer.push(encode(order)):
+            log.warning("agent %d: could not deliver fault %s (the rank is not connected)",
+                        self.node_rank, order.fault)  # fmt: skip
+
+    def _stop_order(self, order: StopWorkers) -> None:
+        self._stop_workers(order.grace)
+        self._send(Stopped(node=self.node_rank))
+
+    def _shutdown(self, order: Shutdown) -> int:
+        self._stop_workers(0.0)
+        return 0
+
+    def _coord_lost(self, event: CoordLost) -> int:
+        log.error("agent %d lost the coordinator; stopping its workers", self.node_rank)
+        self._stop_workers(0.0)
+        return 1
+
+    def _send(self, msg: Message) -> None:
         assert self.coord is not None
         try:
-            self.coord.notify(op, **fields)
+            self.coord.notify(msg.OP, **fields_of(msg))
         except WireError:
-            self._post("coord_lost")
+            self._post(CoordLost())
 
     # ---- workers --------------------------------------------------------------------------
     def _spawn(self, rank: int, local_rank: int, attempt: int, generation: int = 0) -> Worker:
         job = self.job
-        fired = self.fired.get(rank, [])
-        faults = [FaultSpec.from_json(f) for f in job["faults"] if f["rank"] == rank
-                  and f not in fired and f["kind"] != "migrate"]  # fmt: skip
         assert self.server is not None
-        env = WorkerEnv(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=int(job["world_size"]),
-            master_addr=job["master_addr"],
-            master_port=int(job["master_port"]),
-            job_id=job["job_id"],
-            token=self.token,
-            agent_addr=format_address(self.server.address),
-            node_rank=self.node_rank,
-            heartbeat_interval=float(job["heartbeat_interval"]),
-            attempt=attempt,
-            generation=generation,
-            keep_log=bool(job.get("keep_log", True)),
-            recovery_timeout=float(job.get("recovery_timeout", 120.0)),
-            faults=faults,
-            nnodes=int(job["nnodes"]),
-            local_world_size=int(job["nproc_per_node"]),
-        )
+        env = WorkerEnv.for_rank(job, rank, local_rank, node_rank=self.node_rank,
+                                 token=self.token, agent_addr=format_address(self.server.address),
+                                 attempt=attempt, generation=generation,
+                                 fired=self.fired.get(rank, []))  # fmt: skip
         environ = self._base_environ()
         environ.update(env.to_environ())
         interface = netif.rank_interface(rank)
         if netif.exists(interface):  # the rank's own, which moves with it (simulated hosts)
             environ["NCCL_SOCKET_IFNAME"] = f"={interface}"
-        proc = self._take_spare(environ) if attempt > 0 else None
-        if proc is None:
+        proc = self.spares.take(environ, job) if attempt > 0 else None
+        from_spare = proc is not None
+        if from_spare:
+            self._notify_spares()
+        else:
             proc = subprocess.Popen(
-                [sys.executable, job["script"], *job["args"]],
-                cwd=job["cwd"],
+                [sys.executable, job.script, *job.args],
+                cwd=job.cwd,
                 env=environ,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -558,92 +594,28 @@ class Agent:
         with self._lock:
             self.workers[rank] = worker
         self._selector.register(pidfd, selectors.EVENT_READ, worker)
-        from_spare = attempt > 0 and proc.args[:3] == [sys.executable, "-m", "xmig.agent.spare"]
-        self._notify("worker_started", rank=rank, pid=proc.pid, attempt=attempt, t=time.time(),
-                     from_spare=from_spare)  # fmt: skip
+        self._send(WorkerStarted(rank=rank, node=self.node_rank, pid=proc.pid, attempt=attempt,
+                                 t=time.time(), from_spare=from_spare))  # fmt: skip
         return worker
 
     def _base_environ(self) -> dict[str, str]:
         """What every worker of this node (and every spare) starts with."""
         job = self.job
         environ = dict(os.environ)
-        environ["LOCAL_WORLD_SIZE"] = str(job["nproc_per_node"])
+        environ["LOCAL_WORLD_SIZE"] = str(job.nproc_per_node)
         environ[COORD_ADDR] = format_address(self.coord_addr)
-        environ[JOB_ID] = job["job_id"]
+        environ[JOB_ID] = job.job_id
         environ[TOKEN] = self.token
         environ.setdefault("PYTHONUNBUFFERED", "1")
-        if int(job["world_size"]) > 1:
+        if job.world_size > 1:
             # as torchrun does, but for every multi-rank job: all simulated nodes share this
             # machine, and a rank's numerics must not depend on how ranks map to nodes
             environ.setdefault("OMP_NUM_THREADS", "1")
         return environ
 
     # ---- hot spares ---------------------------------------------------------------------------
-    def _keep_spares(self) -> None:
-        wanted = int(self.job.get("hot_spares", 0))
-        if len(self.spares) >= wanted or time.monotonic() < self._spare_due:
-            return
-        starting = any(w.state == "starting" for w in self.workers.values())
-        if not spare_may_start(len(os.sched_getaffinity(0)), len(self.workers), wanted, starting):
-            return
-        ready_r, ready_w = os.pipe()
-        environ = self._base_environ()
-        environ[SPARE_READY_FD] = str(ready_w)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "xmig.agent.spare"],
-            cwd=self.job["cwd"],
-            env=environ,
-            stdin=subprocess.PIPE,
-            pass_fds=(ready_w,),
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-        os.close(ready_w)
-        spare = Spare(proc, ready_r)
-        self.spares.append(spare)
-        self._selector.register(ready_r, selectors.EVENT_READ, spare)
-
-    def _spare_ready(self, spare: Spare) -> None:
-        self._selector.unregister(spare.ready_fd)
-        spare.ready = os.read(spare.ready_fd, 1) == b"1"
-        os.close(spare.ready_fd)
-        if spare.ready:
-            self._notify("spares", node=self.node_rank, ready=sum(s.ready for s in self.spares))
-        if not spare.ready:
-            spare.proc.wait()  # it died while warming up; _keep_spares starts another
-            self.spares.remove(spare)
-
-    def _take_spare(self, environ: dict[str, str]) -> subprocess.Popen | None:
-        """Hand a warm spare the worker's environment; None when no spare is ready."""
-        for spare in list(self.spares):
-            if not spare.ready:
-                continue
-            self.spares.remove(spare)
-            order = {"env": environ, "script": self.job["script"], "args": self.job["args"],
-                     "cwd": self.job["cwd"]}  # fmt: skip
-            try:
-                assert spare.proc.stdin is not None
-                spare.proc.stdin.write((json.dumps(order) + "\n").encode())
-                spare.proc.stdin.close()
-            except OSError:
-                spare.proc.kill()
-                spare.proc.wait()
-                continue
-            self._spare_due = time.monotonic() + SPARE_DELAY_S
-            self._notify("spares", node=self.node_rank, ready=sum(s.ready for s in self.spares))
-            return spare.proc
-        return None
-
-    def _stop_spares(self) -> None:
-        for spare in self.spares:
-            spare.proc.kill()
-        for spare in self.spares:
-            spare.proc.wait()
-            if not spare.ready:
-                with contextlib.suppress(KeyError, ValueError, OSError):
-                    self._selector.unregister(spare.ready_fd)
-                    os.close(spare.ready_fd)
-        self.spares.clear()
+    def _notify_spares(self) -> None:
+        self._send(Spares(node=self.node_rank, ready=self.spares.ready_count))
 
     def _reap(self, worker: Worker) -> None:
         """A worker's process has exited (its pidfd is readable): end what it started, reap
@@ -662,11 +634,10 @@ class Agent:
             return
         if returncode != 0 and previous == "done":
             kind, detail = describe_exit(returncode)
-            print(f"xmig: rank {rank} finished its steps, then exited with {detail}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            log.warning("rank %d finished its steps, then exited with %s", rank, detail)
             returncode = 0
         if returncode == 0:
-            self._notify("worker_exited", rank=rank, pid=worker.pid, t=detected)
+            self._send(WorkerExited(rank=rank, pid=worker.pid, t=detected))
             return
         kind, detail = describe_exit(returncode)
         self._report_fault(worker, kind, detail, detected)
@@ -689,22 +660,14 @@ class Agent:
             t_fault, source = detected, "detection"
         if step is None:
             step = announced["step"] if announced is not None else worker.step
-        record = {
-            "rank": worker.rank,
-            "node": self.node_rank,
-            "pid": worker.pid,
-            "attempt": worker.attempt,
-            "kind": kind,
-            "detail": detail,
-            "step": step,
-            "injected": announced["fault"] if announced is not None else None,
-            "t_fault": t_fault,
-            "t_detected": detected,
-            "fault_time_source": source,
-            "detected_after_s": round(max(0.0, detected - t_fault), 6),
-            "generation": generation,
-        }
-        self._notify("fault", record=record)
+        record = FaultRecord(
+            rank=worker.rank, node=self.node_rank, pid=worker.pid, attempt=worker.attempt,
+            kind=kind, detail=detail, step=step,
+            injected=announced["fault"] if announced is not None else None,
+            t_fault=t_fault, t_detected=detected, fault_time_source=source,
+            detected_after_s=round(max(0.0, detected - t_fault), 6), generation=generation,
+        )  # fmt: skip
+        self._send(Fault(record=record))
 
     def _end_group(self, worker: Worker) -> None:
         """Kill every process the worker started that is still in its process group (before
@@ -735,21 +698,6 @@ class Agent:
                 self._kill(worker, signal.SIGKILL)
                 self._report_fault(worker, "hang", f"no heartbeat for {silent:.2f} s", detected)
 
-    def _deliver_fault(self, msg: dict[str, Any]) -> None:
-        fault = msg["fault"]
-        worker = self.workers.get(int(fault["rank"]))
-        if (
-            worker is None
-            or worker.peer is None
-            or not worker.peer.push({"op": "inject", "fault": fault})
-        ):
-            print(
-                f"xmig: agent {self.node_rank}: could not deliver fault {fault} "
-                "(the rank is not connected)",
-                file=sys.stderr,
-                flush=True,
-            )
-
     @staticmethod
     def _kill(worker: Worker, sig: int) -> None:
         """Signal the worker and the processes it started (its process group)."""
@@ -760,8 +708,7 @@ class Agent:
     def _stop_workers(self, grace: float) -> None:
         """Stop every worker of this node and what they started: SIGTERM to each process
         group, SIGKILL after ``grace``; every worker is reaped before this returns."""
-        self._stop_spares()
-        self.job["hot_spares"] = 0  # a stopping job needs none
+        self.spares.stop()  # and it starts no more: a stopping job needs none
         live = [w for w in [*self.workers.values(), *self.retired] if w.state != "exited"]
         for worker in live:
             worker.state = "stopping"
@@ -776,11 +723,7 @@ class Agent:
             try:
                 worker.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
-                print(
-                    f"xmig: worker pid {worker.pid} did not die after SIGKILL",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                log.error("worker pid %d did not die after SIGKILL", worker.pid)
                 continue
             try:
                 self._selector.unregister(worker.pidfd)
@@ -789,3 +732,33 @@ class Agent:
                 pass
             worker.state = "exited"
         self.retired.clear()
+
+
+# a worker's message type -> the agent's handler (a report for the coordinator is forwarded)
+WORKER_HANDLERS: dict[type[Message], Callable[..., None]] = {
+    Hello: Agent._worker_hello,
+    Heartbeat: Agent._worker_step,
+    StepStarted: Agent._worker_step,
+    Injecting: Agent._worker_injecting,
+    CommError: Agent._worker_trouble,
+    WorkerError: Agent._worker_trouble,
+    ReadyForDump: Agent._worker_ready_for_dump,
+    Done: Agent._worker_done,
+}
+# an event of the main loop (a coordinator's order or the agent's own) -> its handler; a
+# handler that returns an int ends the agent with that exit code
+EVENT_HANDLERS: dict[type, Callable[..., int | None]] = {
+    **{cls: Agent._relay for cls in CATALOGUE.values() if cls.RELAY is Relay.ALL},
+    Dump: Agent._dump_order,
+    InjectFault: Agent._inject,
+    Respawn: Agent._respawn,
+    Restore: Agent._restore,
+    StopWorkers: Agent._stop_order,
+    Shutdown: Agent._shutdown,
+    ToCoordinator: Agent._to_coordinator,
+    WorkerTrouble: Agent._trouble,
+    NodeLoss: Agent._lose_node,
+    DumpNow: Agent._dump_now,
+    DumpFinished: Agent._dump_finished,
+    CoordLost: Agent._coord_lost,
+}

@@ -1,22 +1,45 @@
-"""The worker's end of its connection to the node agent: hello, heartbeat, reports."""
+"""The worker's end of its connection to the node agent: hello, heartbeat, reports, orders."""
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
+from typing import Any
 
+from xmig import protocol
 from xmig.faults.spec import FaultSpec
 from xmig.jobenv import WorkerEnv
 from xmig.wire import Client, WireError, parse_address
+from xmig.worker.errors import exit_now
+
+logger = logging.getLogger(__name__)
 
 LOST_AGENT_EXIT_CODE = 70
-# orders from the coordinator that the agent hands on to its workers
-PLAN_OPS = ("park", "rebuild", "abort", "pause", "dump", "resume", "release", "state_digest")
+
+
+def handle_push(
+    frame: Any,
+    on_inject: Callable[[FaultSpec], None],
+    on_order: Callable[[protocol.Message], None] | None,
+) -> None:
+    """Decode one frame the agent pushed and hand it on: a fault to inject to the injector,
+    any other order to ``on_order``. A frame that does not decode, or that its handler
+    refuses, is logged and dropped: it never ends the link's reader."""
+    try:
+        msg = protocol.decode(frame, protocol.Party.WORKER, protocol.Party.AGENT)
+    except protocol.ProtocolError as exc:
+        logger.warning("dropped a message from the agent: %s", exc)
+        return
+    try:
+        if isinstance(msg, protocol.InjectFault):
+            on_inject(FaultSpec.from_json(msg.fault))
+        elif on_order is not None:
+            on_order(msg)
+    except Exception as exc:
+        logger.warning("dropped the agent's %r: %s: %s", msg.OP, type(exc).__name__, exc)
 
 
 class AgentLink:
@@ -31,22 +54,20 @@ class AgentLink:
         self,
         env: WorkerEnv,
         on_inject: Callable[[FaultSpec], None],
-        on_plan: Callable[[dict], None] | None = None,
+        on_order: Callable[[protocol.Message], None] | None = None,
     ) -> None:
         assert env.agent_addr and env.token
         self.rank = env.rank
-        self.step: int | None = None
-        self._on_inject = on_inject
-        self._on_plan = on_plan
+        self.step: int | None = None  # the last step the rank said it entered
         self._closing = False
         self._client = Client(
             parse_address(env.agent_addr),
             env.token,
             info={"role": "worker", "rank": env.rank, "pid": os.getpid()},
-            on_push=self._on_push,
+            on_push=lambda frame: handle_push(frame, on_inject, on_order),
             on_close=self._on_lost,
         )
-        self._client.call("hello", rank=env.rank, pid=os.getpid(), attempt=env.attempt)
+        self.ask(protocol.Hello(rank=env.rank, pid=os.getpid(), attempt=env.attempt))
         self._interval = env.heartbeat_interval
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="xmig-heartbeat", daemon=True)
@@ -54,72 +75,33 @@ class AgentLink:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self._interval):
+            beat = protocol.Heartbeat(step=self.step, t=time.time())
             try:
-                self._client.notify("hb", step=self.step, t=time.time())
+                self._client.notify(beat.OP, **protocol.fields_of(beat))
             except WireError:
                 return
-
-    def _on_push(self, msg: dict) -> None:
-        if msg.get("op") == "inject":
-            self._on_inject(FaultSpec.from_json(msg["fault"]))
-        elif msg.get("op") in PLAN_OPS and self._on_plan is not None:
-            self._on_plan(msg)
 
     def _on_lost(self) -> None:
         if self._closing:
             return
-        print(f"xmig: rank {self.rank} lost its agent; stopping this worker", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(LOST_AGENT_EXIT_CODE)
+        logger.error("rank %d lost its agent; stopping this worker", self.rank)
+        exit_now(LOST_AGENT_EXIT_CODE)
 
-    def report_step(self, step: int) -> None:
+    def send(self, msg: protocol.Message) -> None:
+        """A one-way notice (a report for the agent or, through it, the coordinator)."""
+        try:
+            self._client.notify(msg.OP, **protocol.fields_of(msg))
+        except WireError:
+            self._on_lost()
+
+    def ask(self, msg: protocol.Message, timeout: float | None = 30.0) -> dict[str, Any]:
+        """A request: returns the agent's reply once it has one (raises as ``Client.call``)."""
+        return self._client.call(msg.OP, timeout=timeout, **protocol.fields_of(msg))
+
+    def started(self, step: int) -> None:
         """Tell the agent the rank entered ``step`` (one-way, microseconds)."""
         self.step = step
-        try:
-            self._client.notify("step", step=step, t=time.time())
-        except WireError:
-            self._on_lost()
-
-    def announce_fault(self, spec: FaultSpec) -> None:
-        """Tell the agent an injected fault is about to happen; returns once it knows."""
-        self._client.call(
-            "injecting", fault=spec.to_json(), step=self.step, t=time.time(), timeout=5.0
-        )
-
-    def report_error(self, exc: BaseException) -> None:
-        """Report an exception that is about to end this worker."""
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        with contextlib.suppress(WireError, TimeoutError):
-            self._client.call("error", error=text, step=self.step, t=time.time(), timeout=5.0)
-
-    def report_comm_error(self, error: str, step: int | None, generation: int) -> None:
-        """A collective failed in this (live) process; the proxy holds the framework."""
-        try:
-            self._client.notify(
-                "comm_error", error=error, step=step, generation=generation, t=time.time()
-            )
-        except WireError:
-            self._on_lost()
-
-    def report(self, op: str, **fields: object) -> None:
-        """A recovery report (parked, recovered, recovery_failed) for the coordinator."""
-        try:
-            self._client.notify(op, t=time.time(), **fields)
-        except WireError:
-            self._on_lost()
-
-    def ready_for_dump(self, gpu: str | None, gpu_bytes: int = 0) -> None:
-        """Tell the agent this process is quiet and may be checkpointed (``gpu``: the UUID of
-        the GPU it holds state on, ``gpu_bytes`` of it); returns once it knows (the worker
-        closes this link next: its end is not a fault)."""
-        self._client.call("ready_for_dump", gpu=gpu, gpu_bytes=gpu_bytes, t=time.time(),
-                          timeout=10.0)  # fmt: skip
-
-    def report_done(self, steps: int, params_sha256: str | None, checksum: str | None) -> None:
-        """Report that the training loop finished ``steps`` steps (``checksum``: of the
-        parameters, when they are replicas every rank must agree on)."""
-        self._client.call("done", steps=steps, params_sha256=params_sha256, checksum=checksum,
-                          timeout=10.0)  # fmt: skip
+        self.send(protocol.StepStarted(step=step, t=time.time()))
 
     def close(self) -> None:
         self._closing = True

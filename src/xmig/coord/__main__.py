@@ -9,9 +9,10 @@ import os
 import sys
 import time
 
+from xmig import logs
 from xmig.coord.coordinator import Coordinator
-from xmig.coord.job import JobSpec
 from xmig.jobenv import TOKEN
+from xmig.jobspec import JobSpec
 
 LINGER_S = 5.0
 
@@ -19,6 +20,7 @@ LINGER_S = 5.0
 def main() -> int:
     token = os.environ.get(TOKEN)
     spec = JobSpec.from_json(json.loads(sys.stdin.readline()))
+    logs.setup(spec.log_level)
     if not token:
         print(json.dumps({"error": "the job token is missing from the environment"}), flush=True)
         return 2
@@ -31,23 +33,14 @@ def main() -> int:
             reason = f"port {spec.master_port} on {spec.master_addr} is already in use"
         print(json.dumps({"error": reason}), flush=True)
         return 2
-    print(
-        json.dumps(
-            {
-                "ready": True,
-                "address": coord.address,
-                "master_port": spec.master_port,
-                "pid": os.getpid(),
-            }
-        ),
-        flush=True,
-    )
+    ready = {"ready": True, "address": coord.address, "master_port": coord.spec.master_port,
+             "pid": os.getpid()}  # fmt: skip
+    print(json.dumps(ready), flush=True)
     coord.run()
     # let the launcher read the outcome and the agents shut down before the store goes away
     deadline = time.monotonic() + LINGER_S
     while time.monotonic() < deadline and (
-        coord.agents
-        and any(not a.conn.closed for a in coord.agents.values())
+        any(not p.conn.closed for p in coord.peers.values())
         or any(not p.conn.closed for p in coord.launchers)
     ):
         time.sleep(0.02)

@@ -1,54 +1,14 @@
-"""The job as the coordinator keeps it: its spec, and what happened to it."""
+"""The job as the coordinator keeps it: its spec (``xmig.jobspec``), and what happened to it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# the spec belongs to the whole job (launcher, coordinator, agents, workers): it lives in
+# xmig.jobspec; imported from here too
+from xmig.jobspec import JobSpec, JobSpecError
 
-@dataclass
-class JobSpec:
-    """Everything the coordinator and agents need to run a job (set by ``xmig run``)."""
-
-    job_id: str
-    script: str
-    args: list[str]
-    cwd: str
-    nnodes: int
-    nproc_per_node: int
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 3.0
-    stop_grace: float = 3.0
-    agent_connect_timeout: float = 60.0
-    keep_log: bool = True
-    recovery_timeout: float = 120.0
-    max_recoveries: int = 10
-    hot_spares: int = 1
-    spare_nodes: int = 0
-    simulate_hosts: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-    @property
-    def all_nodes(self) -> int:
-        """Nodes with workers plus the spare ones."""
-        return self.nnodes + self.spare_nodes
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["world_size"] = self.world_size
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> JobSpec:
-        data = dict(data)
-        data.pop("world_size", None)
-        return cls(**data)
+__all__ = ["JobSpec", "JobSpecError", "describe_fault"]
 
 
 DETAIL_CHARS = 200

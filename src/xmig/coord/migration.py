@@ -8,12 +8,27 @@ on a new generation's communicator. No state pull, no replay: the process carrie
 
 from __future__ import annotations
 
+import enum
 import os
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from xmig.coord.orders import GiveUp, Note, Order, Say, Settled, ToAll, ToNode
+from xmig.protocol import (
+    Dump,
+    Dumped,
+    Pause,
+    Paused,
+    PauseRefused,
+    Rejoined,
+    Restore,
+    Restored,
+    Resume,
+    Resumed,
+    WorkerDone,
+)
 
 PHASES = ("quiesce", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore", "rejoin")
 
@@ -39,9 +54,34 @@ def images_dir(job_id: str, node: int, name: str) -> str:
     return str(Path(tempfile.gettempdir()) / "xmig-migrate" / job_id / f"node{node}" / name)
 
 
+class MigrationPhase(enum.Enum):
+    PAUSING = "pausing"  # every rank pauses at the start of ``step``
+    DUMPING = "dumping"  # the source node checkpoints the rank
+    RESTORING = "restoring"  # the target node restores it
+    REJOINING = "rejoining"  # the restored process reconnects
+    RESUMING = "resuming"  # every rank resumes on the new generation
+    DONE = "done"
+    DROPPED = "dropped"  # the job finished before the pause step: nothing to move
+    FAILED = "failed"
+
+
+# MigrationPhase -> the phases it may go to
+MIGRATION_TRANSITIONS: dict[MigrationPhase, set[MigrationPhase]] = {
+    MigrationPhase.PAUSING: {MigrationPhase.DUMPING, MigrationPhase.DROPPED,
+                             MigrationPhase.FAILED},
+    MigrationPhase.DUMPING: {MigrationPhase.RESTORING, MigrationPhase.FAILED},
+    MigrationPhase.RESTORING: {MigrationPhase.REJOINING, MigrationPhase.FAILED},
+    MigrationPhase.REJOINING: {MigrationPhase.RESUMING, MigrationPhase.FAILED},
+    MigrationPhase.RESUMING: {MigrationPhase.DONE, MigrationPhase.FAILED},
+    MigrationPhase.DONE: set(),
+    MigrationPhase.DROPPED: set(),
+    MigrationPhase.FAILED: set(),
+}  # fmt: skip
+
+
 @dataclass
 class Migration:
-    """A migration in progress (and, once done, its record)."""
+    """A migration in progress (and, once done, its record). Pure: events in, orders out."""
 
     generation: int
     rank: int
@@ -52,7 +92,13 @@ class Migration:
     images: str  # where the source node writes them
     target_images: str  # where the target node reads them (the same when shared)
     why: str  # "request" or the injected spec
-    started: float = field(default_factory=time.time)
+    world_size: int
+    local_rank: int
+    attempt: int
+    started: float
+    deadline: float
+    serve_images: bool = True  # the source agent serves them (no shared folder)
+    phase: MigrationPhase = MigrationPhase.PAUSING
     paused: dict[int, int] = field(default_factory=dict)
     resumed: set[int] = field(default_factory=set)
     times: dict[str, float] = field(default_factory=dict)  # event -> wall clock
@@ -74,15 +120,103 @@ class Migration:
     def rejoin_file(self) -> str:
         return f"{self.target_images}.rejoin.json"
 
-    def order(self, op: str, **fields: Any) -> dict[str, Any]:
-        return {"op": op, "generation": self.generation, **fields}
+    def start(self, now: float) -> list[Order]:
+        return [Note("migration", {"generation": self.generation, "phase": self.phase.value,
+                                   "rank": self.rank, "from": self.source, "to": self.target,
+                                   "step": self.step, "after_s": 0.0}),
+                ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
+
+    def _enter(self, phase: MigrationPhase, now: float) -> list[Order]:
+        if phase not in MIGRATION_TRANSITIONS[self.phase]:
+            raise AssertionError(f"migration cannot go from {self.phase.name} to {phase.name}")
+        self.phase = phase
+        self.times[phase.value] = now
+        return [Note("migration", {"generation": self.generation, "phase": phase.value,
+                                   "after_s": round(now - self.started, 6)})]  # fmt: skip
+
+    def fail(self, reason: str, now: float) -> list[Order]:
+        return [*self._enter(MigrationPhase.FAILED, now), GiveUp("migration failed", reason)]
+
+    def on(self, event: Any, now: float) -> list[Order]:
+        """The orders ``event`` calls for (none when it does not concern this migration)."""
+        phase = self.phase
+        if phase in (MigrationPhase.DONE, MigrationPhase.DROPPED, MigrationPhase.FAILED):
+            return []
+        if now > self.deadline:
+            return self.fail(f"rank {self.rank} was not moved within "
+                             f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
+        if isinstance(event, WorkerDone):
+            if phase is MigrationPhase.PAUSING and not self.paused:
+                # the pause step lies past the last one: no rank will ever reach it
+                return [
+                    *self._enter(MigrationPhase.DROPPED, now),
+                    Say(f"migration of rank {self.rank} not done: the job finished first"),
+                ]
+            return []
+        if getattr(event, "generation", None) != self.generation:
+            return []
+        if isinstance(event, PauseRefused) and phase is MigrationPhase.PAUSING:
+            self.step = max(self.step, event.step + 1)
+            self.paused.clear()
+            return [Note("migration", {"generation": self.generation, "phase": "repause",
+                                       "step": self.step}),
+                    ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
+        if isinstance(event, Paused) and phase is MigrationPhase.PAUSING:
+            if event.step == self.step:
+                self.paused[event.rank] = event.step
+            if len(self.paused) < self.world_size:
+                return []
+            # the moving worker reads where to reconnect from the rejoin file once it runs on
+            # the target node
+            return [*self._enter(MigrationPhase.DUMPING, now),
+                    ToNode(self.source, Dump(generation=self.generation, rank=self.rank,
+                                             images=self.images, rejoin_file=self.rejoin_file,
+                                             serve=self.serve_images))]  # fmt: skip
+        if isinstance(event, Dumped) and phase is MigrationPhase.DUMPING:
+            if not event.ok:
+                return self.fail(f"checkpointing rank {self.rank} failed: {event.error}", now)
+            self.dump_s, self.image_bytes = event.dump_s, event.image_bytes
+            self.gpu_checkpoint_s, self.gpu = event.gpu_checkpoint_s, event.gpu
+            self.gpu_bytes = event.gpu_bytes
+            self.gpu_times.update(event.gpu_times)
+            if event.interface:
+                self.interface = str(event.interface["name"])
+            restore = Restore(
+                generation=self.generation, rank=self.rank, pid=self.pid,
+                images=self.target_images, rejoin_file=self.rejoin_file, fetch=event.serve,
+                local_rank=self.local_rank, attempt=self.attempt, fds=event.fds, gpu=self.gpu,
+                gpus_before=event.gpus_before, interface=event.interface,
+            )  # fmt: skip
+            return [*self._enter(MigrationPhase.RESTORING, now), ToNode(self.target, restore)]
+        if isinstance(event, Restored) and phase is MigrationPhase.RESTORING:
+            if not event.ok:
+                return self.fail(f"restoring rank {self.rank} failed: {event.error}", now)
+            self.restore_s, self.restored_pid = event.restore_s, event.pid
+            self.gpu_restore_s, self.to_gpu = event.gpu_restore_s, event.to_gpu
+            self.gpu_times.update(event.gpu_times)
+            self.transfer_s = event.transfer_s
+            return self._enter(MigrationPhase.REJOINING, now)
+        if isinstance(event, Rejoined) and phase is MigrationPhase.REJOINING:
+            if event.rank != self.rank:
+                return []
+            self.netns = event.netns
+            return [*self._enter(MigrationPhase.RESUMING, now),
+                    ToAll(Resume(generation=self.generation))]  # fmt: skip
+        if isinstance(event, Resumed) and phase is MigrationPhase.RESUMING:
+            self.resumed.add(event.rank)
+            if len(self.resumed) < self.world_size:
+                return []
+            orders = self._enter(MigrationPhase.DONE, now)
+            record = self.record()
+            return [*orders, Settled(record, describe_migration(record))]
+        return []
 
     def record(self) -> dict[str, Any]:
         t = self.times
-        end = t.get("resumed", time.time())
-        quiesced = t.get("quiesced", self.started)
-        dumped = t.get("dumped", quiesced)
-        restored = t.get("restored", dumped)
+        end = t.get("done", self.started)
+        quiesced = t.get("dumping", self.started)  # every rank paused
+        dumped = t.get("restoring", quiesced)
+        restored = t.get("rejoining", dumped)
         # the agents time the GPU and CRIU steps; the rest is the time between the reports
         phases = {
             "quiesce": quiesced - self.started,

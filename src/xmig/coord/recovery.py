@@ -1,11 +1,25 @@
-"""Recovery plans: from where the survivors are parked, choose the step to resume at, the
-peer that serves the state, and whether the step is replayed or rolled back."""
+"""A recovery: from where the survivors are parked, choose the step to resume at, the peer
+that serves the state, and whether the step is replayed or rolled back; then follow the ranks
+until every one has recovered. Pure: events in, orders out, time an argument."""
 
 from __future__ import annotations
 
-import time
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from xmig.coord.orders import GiveUp, Note, Order, Settled, ToAll
+from xmig.protocol import (
+    FaultRecord,
+    Parked,
+    Position,
+    Rebuild,
+    Recovered,
+    StateAnnounced,
+    StateSent,
+    WorkerJoined,
+    WorkerStarted,
+)
 
 # how a survivor came by DDP's bucket layout, as it reports when it parks (xmig.state.ddp)
 LAYOUT_LOCAL = "local"
@@ -22,30 +36,24 @@ def _consistent(lists: list[list[str]]) -> bool:
     return all(lst == longest[: len(lst)] for lst in lists)
 
 
-def plan_rebuild(
-    positions: dict[int, dict[str, Any]], replaced: list[int], generation: int
-) -> dict[str, Any]:
-    """The ``rebuild`` order for generation ``generation``.
-
-    ``positions`` maps each survivor to what it reported when it parked: ``step``,
-    ``state_step`` (the step whose start its state is: its step, or the next one once its
-    optimizer has stepped), ``log_from`` (the first step it still holds the log of),
-    ``keep_log`` and ``signatures`` (step → its logged ops' signatures).
-    """
+def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation: int) -> Rebuild:
+    """The ``Rebuild`` order for generation ``generation``, from where each survivor parked
+    (``state_step``: the step whose start its state is; ``log_from``: the first step it
+    still holds the log of; ``signatures``: step → its logged ops' signatures)."""
     if not positions:
         raise RecoveryImpossible("no rank survived to serve the state")
-    early = sorted(r for r, p in positions.items() if p.get("state_step") is None)
+    early = sorted(r for r, p in positions.items() if p.state_step is None)
     if early:
         raise RecoveryImpossible(
             f"rank {early[0]} has not reached session.steps(): in-place recovery needs the "
             "step boundary"
         )
-    layouts = {p["ddp_layout"] for p in positions.values() if p.get("ddp_layout")}
+    layouts = {p.ddp_layout for p in positions.values() if p.ddp_layout}
     if len(layouts) > 1:
         raise RecoveryImpossible(
             "the survivors hold different DDP bucket layouts: no replacement can match them all"
         )
-    sources = {p.get("ddp_layout_source") for p in positions.values()}
+    sources = {p.ddp_layout_source for p in positions.values()}
     if LAYOUT_INCONSISTENT in sources:
         raise RecoveryImpossible(
             "rank 0 died while sending DDP's bucket layout, and the part its peers received "
@@ -53,17 +61,17 @@ def plan_rebuild(
         )
     # the survivors made the layout themselves: whether it is rank 0's shows in its replacement
     verify_ready_order = LAYOUT_LOCAL in sources
-    state_steps = {r: int(p["state_step"]) for r, p in positions.items()}
+    state_steps = {r: int(p.state_step) for r, p in positions.items() if p.state_step is not None}
     low = min(state_steps.values())
     reasons = []
-    if not all(p.get("keep_log") for p in positions.values()):
+    if not all(p.keep_log for p in positions.values()):
         reasons.append("the replay log is off")
-    elif any(p.get("log_from") is None or int(p["log_from"]) > low for p in positions.values()):
+    elif any(p.log_from is None or p.log_from > low for p in positions.values()):
         reasons.append(f"a survivor no longer holds the log of step {low}")
     else:
-        steps = {int(s) for p in positions.values() for s in p.get("signatures", {})}
+        steps = {int(s) for p in positions.values() for s in p.signatures}
         for step in sorted(s for s in steps if s >= low):
-            lists = [p.get("signatures", {}).get(str(step), []) for p in positions.values()]
+            lists = [p.signatures.get(str(step), []) for p in positions.values()]
             if not _consistent(lists):
                 reasons.append(f"the survivors logged different ops in step {step}")
                 break
@@ -71,21 +79,33 @@ def plan_rebuild(
         candidates = [r for r, s in state_steps.items() if s == low]
         source = max(
             candidates,
-            key=lambda r: (len(positions[r].get("signatures", {}).get(str(low), [])), -r),
+            key=lambda r: (len(positions[r].signatures.get(str(low), [])), -r),
         )
-        return {
-            "op": "rebuild", "generation": generation, "mode": "replay", "step": low,
-            "source": source, "pulls": sorted(replaced), "why": None,
-            "verify_ready_order": verify_ready_order,
-        }  # fmt: skip
+        return Rebuild(generation=generation, mode="replay", step=low, source=source,
+                       pulls=sorted(replaced), why=None,
+                       verify_ready_order=verify_ready_order)  # fmt: skip
     high = max(state_steps.values())
     source = min(r for r, s in state_steps.items() if s == high)
     laggards = [r for r, s in state_steps.items() if s < high]
-    return {
-        "op": "rebuild", "generation": generation, "mode": "rollback", "step": high,
-        "source": source, "pulls": sorted([*replaced, *laggards]), "why": reasons[0],
-        "verify_ready_order": verify_ready_order,
-    }  # fmt: skip
+    return Rebuild(generation=generation, mode="rollback", step=high, source=source,
+                   pulls=sorted([*replaced, *laggards]), why=reasons[0],
+                   verify_ready_order=verify_ready_order)  # fmt: skip
+
+
+class RecoveryPhase(enum.Enum):
+    PARKING = "parking"  # survivors park; the replacements start
+    RESTORING = "restoring"  # the plan is out: rebuild, pull, replay or roll back
+    DONE = "done"
+    FAILED = "failed"
+
+
+# RecoveryPhase -> the phases it may go to
+RECOVERY_TRANSITIONS: dict[RecoveryPhase, set[RecoveryPhase]] = {
+    RecoveryPhase.PARKING: {RecoveryPhase.RESTORING, RecoveryPhase.FAILED},
+    RecoveryPhase.RESTORING: {RecoveryPhase.DONE, RecoveryPhase.FAILED},
+    RecoveryPhase.DONE: set(),
+    RecoveryPhase.FAILED: set(),
+}
 
 
 @dataclass
@@ -93,15 +113,17 @@ class Recovery:
     """One recovery in progress (and, once done, its record)."""
 
     generation: int
-    primary: dict[str, Any]
+    primary: FaultRecord
     replaced: list[int]
     survivors: list[int]
-    started: float = field(default_factory=time.time)  # the decision
-    parked: dict[int, dict[str, Any]] = field(default_factory=dict)
+    started: float  # the decision (wall clock)
+    deadline: float
+    phase: RecoveryPhase = RecoveryPhase.PARKING
+    parked: dict[int, Position] = field(default_factory=dict)
     parked_at: float | None = None
-    plan: dict[str, Any] | None = None
+    plan: Rebuild | None = None
     joined: dict[int, float] = field(default_factory=dict)
-    recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
+    recovered: dict[int, Recovered] = field(default_factory=dict)
     from_spare: dict[int, bool] = field(default_factory=dict)
     placement: dict[int, int] = field(default_factory=dict)  # replaced rank -> its node
 
@@ -109,29 +131,94 @@ class Recovery:
     def expected(self) -> set[int]:
         return set(self.survivors) | set(self.replaced)
 
-    def record(self) -> dict[str, Any]:
+    def _enter(self, phase: RecoveryPhase, now: float) -> list[Order]:
+        if phase not in RECOVERY_TRANSITIONS[self.phase]:
+            raise AssertionError(f"recovery cannot go from {self.phase.name} to {phase.name}")
+        self.phase = phase
+        return [Note("recovery", {"generation": self.generation, "phase": phase.value,
+                                  "after_s": round(now - self.started, 6)})]  # fmt: skip
+
+    def on(self, event: Any, now: float) -> list[Order]:
+        """The orders ``event`` calls for (none when it does not concern this recovery)."""
+        if self.phase in (RecoveryPhase.DONE, RecoveryPhase.FAILED):
+            return []
+        if now > self.deadline:
+            return self._fail(self._late(), now)
+        if isinstance(event, WorkerStarted) and event.rank in self.replaced:
+            self.from_spare[event.rank] = event.from_spare
+        elif isinstance(event, WorkerJoined):
+            self.joined[event.rank] = event.t
+        elif getattr(event, "generation", self.generation) != self.generation:
+            return []  # a report of an earlier recovery
+        elif isinstance(event, Parked):
+            return self._on_parked(event, now)
+        elif isinstance(event, StateSent):
+            return self._relay_digest(event)
+        elif isinstance(event, Recovered):
+            self.recovered[event.rank] = event
+            if self.plan is not None and set(self.recovered) >= self.expected:
+                record = self.record(now)
+                return [*self._enter(RecoveryPhase.DONE, now),
+                        Settled(record, describe_recovery(record))]  # fmt: skip
+        return []
+
+    def _on_parked(self, event: Parked, now: float) -> list[Order]:
+        self.parked[event.rank] = event.position
+        if self.plan is not None or not set(self.parked) >= set(self.survivors):
+            return []
+        self.parked_at = now
+        try:
+            self.plan = plan_rebuild(self.parked, self.replaced, self.generation)
+        except RecoveryImpossible as exc:
+            return self._fail(str(exc), now)
+        return [*self._enter(RecoveryPhase.RESTORING, now), ToAll(self.plan)]
+
+    def _relay_digest(self, event: StateSent) -> list[Order]:
+        """The serving rank's digest of the state it sent, to the rank that received it."""
+        if self.plan is None:
+            return []
+        if event.rank != self.plan.source:
+            return [Note("ignored", {"why": f"a state digest from rank {event.rank}, which "
+                                            "serves no state"})]  # fmt: skip
+        return [ToAll(StateAnnounced(generation=self.generation, rank=event.target,
+                                     source=event.rank, digest=event.digest))]  # fmt: skip
+
+    def fail(self, reason: str, now: float) -> list[Order]:
+        """Give up (a rank failed, its agent was lost, or the job stops)."""
+        return self._fail(reason, now)
+
+    def _fail(self, reason: str, now: float) -> list[Order]:
+        return [*self._enter(RecoveryPhase.FAILED, now), GiveUp("recovery impossible", reason)]
+
+    def _late(self) -> str:
+        if self.plan is None:
+            missing = sorted(set(self.survivors) - set(self.parked))
+            return f"ranks {missing} did not park in time"
+        missing = sorted(self.expected - set(self.recovered))
+        return f"ranks {missing} did not finish recovering in time"
+
+    def record(self, now: float) -> dict[str, Any]:
         assert self.plan is not None
         fault = self.primary
         survivors = [self.recovered[r] for r in self.survivors if r in self.recovered]
         everyone = list(self.recovered.values())
 
-        def longest(role_reports: list[dict[str, Any]], phase: str) -> float:
-            return max((float(r.get("phases", {}).get(phase, 0.0)) for r in role_reports),
-                       default=0.0)  # fmt: skip
+        def longest(reports: list[Recovered], phase: str) -> float:
+            return max((float(r.phases.get(phase, 0.0)) for r in reports), default=0.0)
 
-        pulls = [r["pull"] for r in everyone if r.get("pull")]
+        pulls = [r.pull for r in everyone if r.pull]
         pull_bytes = max((int(p["bytes"]) for p in pulls), default=0)
         pull_s = max((float(p["seconds"]) for p in pulls), default=0.0)
         setup_s = max((float(p.get("setup_seconds", 0.0)) for p in pulls), default=0.0)
         respawn = max((t - self.started for r, t in self.joined.items() if r in self.replaced),
                       default=0.0)  # fmt: skip
-        resumed = max((float(r["t_resumed"]) for r in everyone), default=time.time())
-        if self.plan["mode"] == "rollback":
+        resumed = max((r.t_resumed for r in everyone), default=now)
+        if self.plan.mode == "rollback":
             mode = "rollback"
         else:
             mode = "respawn" if self.replaced else "in-place retry"
         phases = {
-            "detect": float(fault.get("detected_after_s") or 0.0),
+            "detect": float(fault.detected_after_s or 0.0),
             "park": (self.parked_at or self.started) - self.started,
             "respawn": respawn,
             "rebuild": longest(survivors, "rebuild"),
@@ -140,16 +227,16 @@ class Recovery:
         }
         return {
             "generation": self.generation,
-            "rank": fault["rank"],
+            "rank": fault.rank,
             "ranks": list(self.replaced),
-            "fault_kind": fault["kind"],
-            "step": fault.get("step"),
+            "fault_kind": fault.kind,
+            "step": fault.step,
             "mode": mode,
-            "resume_step": self.plan["step"],
-            "source": self.plan["source"],
-            "why_rollback": self.plan.get("why"),
+            "resume_step": self.plan.step,
+            "source": self.plan.source,
+            "why_rollback": self.plan.why,
             "phases": {k: round(v, 4) for k, v in phases.items()},
-            "total_s": round(resumed - float(fault["t_fault"]), 4),
+            "total_s": round(resumed - fault.t_fault, 4),
             "from_spare": [self.from_spare.get(r, False) for r in self.replaced],
             "nodes": {str(r): n for r, n in sorted(self.placement.items())},
             "pull_bytes": pull_bytes,

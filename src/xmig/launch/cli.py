@@ -5,15 +5,34 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import click
 import typer
 
-from xmig import __version__
-from xmig.coord.job import JobSpec
+from xmig import __version__, logs
 from xmig.faults.spec import FaultSpecError, parse_faults
+from xmig.jobspec import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_HOT_SPARES,
+    DEFAULT_KEEP_LOG,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_MAX_RECOVERIES,
+    DEFAULT_NNODES,
+    DEFAULT_NPROC_PER_NODE,
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    DEFAULT_SIMULATE_HOSTS,
+    DEFAULT_SPARE_NODES,
+    DEFAULT_STOP_GRACE_S,
+    JobSpec,
+    JobSpecError,
+)
 from xmig.launch.doctor import run_doctor
 from xmig.launch.hosts import HostSetupError, check_can_simulate
 from xmig.launch.launcher import Launcher, LaunchError, find_job
@@ -58,7 +77,7 @@ def run(
             help="Number of nodes (agents); torchrun's N:N means N (an elastic MIN:MAX range "
             "is not supported yet).",
         ),
-    ] = "1",
+    ] = str(DEFAULT_NNODES),
     standalone: Annotated[
         bool,
         typer.Option(
@@ -68,11 +87,11 @@ def run(
     ] = False,
     nproc_per_node: Annotated[
         int, typer.Option("--nproc-per-node", "--nproc_per_node", help="Workers (ranks) per node.")
-    ] = 1,
+    ] = DEFAULT_NPROC_PER_NODE,
     master_addr: Annotated[
         str,
         typer.Option("--master-addr", "--master_addr", help="Address of the coordinator's store."),
-    ] = "127.0.0.1",
+    ] = DEFAULT_MASTER_ADDR,
     master_port: Annotated[
         int,
         typer.Option(
@@ -80,7 +99,7 @@ def run(
             "--master_port",
             help="Port of the coordinator's c10d store; 0 picks a free one.",
         ),
-    ] = 0,
+    ] = DEFAULT_MASTER_PORT,
     inject: Annotated[
         list[str] | None,
         typer.Option(
@@ -94,13 +113,13 @@ def run(
     ] = None,
     heartbeat_interval: Annotated[
         float, typer.Option(help="Seconds between a worker's heartbeats.")
-    ] = 0.5,
+    ] = DEFAULT_HEARTBEAT_INTERVAL_S,
     heartbeat_timeout: Annotated[
         float, typer.Option(help="Seconds without a heartbeat before a rank counts as hung.")
-    ] = 3.0,
+    ] = DEFAULT_HEARTBEAT_TIMEOUT_S,
     stop_grace: Annotated[
         float, typer.Option(help="Seconds a worker gets to exit on stop before SIGKILL.")
-    ] = 3.0,
+    ] = DEFAULT_STOP_GRACE_S,
     no_replay_log: Annotated[
         bool,
         typer.Option(
@@ -108,24 +127,24 @@ def run(
             help="Do not keep copies of the step's collective inputs (saves memory); a fault "
             "then rolls the step back on every rank instead of replaying it.",
         ),
-    ] = False,
+    ] = not DEFAULT_KEEP_LOG,
     recovery_timeout: Annotated[
         float, typer.Option(help="Seconds a recovery may take before the job stops.")
-    ] = 120.0,
+    ] = DEFAULT_RECOVERY_TIMEOUT_S,
     max_recoveries: Annotated[
         int, typer.Option(help="Recoveries allowed in one job before a fault stops it.")
-    ] = 10,
+    ] = DEFAULT_MAX_RECOVERIES,
     hot_spares: Annotated[
         int,
         typer.Option(
             help="Pre-started interpreters per node (torch loaded) that become replacement "
             "ranks in milliseconds; 0 starts replacements from scratch."
         ),
-    ] = 1,
+    ] = DEFAULT_HOT_SPARES,
     spare_nodes: Annotated[
         int,
         typer.Option(help="Idle nodes (agents without workers) that take over a lost node."),
-    ] = 0,
+    ] = DEFAULT_SPARE_NODES,
     simulate_hosts: Annotated[
         bool,
         typer.Option(
@@ -133,7 +152,14 @@ def run(
             help="Run every node in a network namespace of its own, with its own address "
             "(root only): several hosts on one machine.",
         ),
-    ] = False,
+    ] = DEFAULT_SIMULATE_HOSTS,
+    log_level: Annotated[
+        str,
+        typer.Option(
+            metavar="LEVEL",
+            help="Logging detail of xmig's processes: DEBUG, INFO, WARNING or ERROR.",
+        ),
+    ] = DEFAULT_LOG_LEVEL,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -143,40 +169,9 @@ def run(
     nodes = _parse_nnodes(nnodes)
     if standalone and nodes > 1:
         raise click.UsageError(f"--standalone means one node; it cannot go with --nnodes {nnodes}")
-    if nproc_per_node < 1:
-        raise click.UsageError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
-    if not 0 <= master_port <= 65535:
-        raise click.UsageError(f"--master-port must be 0..65535, got {master_port}")
-    if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
-        raise click.UsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
-    if stop_grace < 0:
-        raise click.UsageError("--stop-grace must not be negative")
-    if recovery_timeout <= 0:
-        raise click.UsageError("--recovery-timeout must be positive")
-    if max_recoveries < 0:
-        raise click.UsageError("--max-recoveries must not be negative")
-    if hot_spares < 0:
-        raise click.UsageError("--hot-spares must not be negative")
-    if spare_nodes < 0:
-        raise click.UsageError("--spare-nodes must not be negative")
-    if simulate_hosts:
-        if master_addr != "127.0.0.1":
-            raise click.UsageError("--simulate-hosts picks the coordinator's address itself")
-        try:
-            check_can_simulate()
-        except HostSetupError as exc:
-            raise click.UsageError(str(exc)) from None
-    try:
-        faults = parse_faults(inject or [], nodes * nproc_per_node)
-    except FaultSpecError as exc:
-        raise click.UsageError(f"bad --inject: {exc}") from None
-    for fault in faults:
-        if fault.to is not None and fault.to >= nodes + spare_nodes:
-            raise click.UsageError(
-                f"bad --inject: node {fault.to} does not exist in {fault} "
-                f"(nodes 0..{nodes + spare_nodes - 1})"
-            )
-    spec = JobSpec(
+    # the spec checks every number (JobSpecError); the faults come after the hosts' checks
+    spec = _job_spec(
+        JobSpec,
         job_id=time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex(),
         script=str(Path(script).resolve()),
         args=list(script_args or []),
@@ -185,7 +180,6 @@ def run(
         nproc_per_node=nproc_per_node,
         master_addr=master_addr,
         master_port=master_port,
-        faults=[f.to_json() for f in faults],
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         stop_grace=stop_grace,
@@ -195,12 +189,35 @@ def run(
         hot_spares=hot_spares,
         spare_nodes=spare_nodes,
         simulate_hosts=simulate_hosts,
+        log_level=log_level.upper(),
     )
+    if simulate_hosts:
+        if master_addr != DEFAULT_MASTER_ADDR:
+            raise click.UsageError("--simulate-hosts picks the coordinator's address itself")
+        try:
+            check_can_simulate()
+        except HostSetupError as exc:
+            raise click.UsageError(str(exc)) from None
+    try:
+        faults = parse_faults(inject or [], spec.world_size)
+    except FaultSpecError as exc:
+        raise click.UsageError(f"bad --inject: {exc}") from None
+    spec = _job_spec(replace, spec, faults=[f.to_json() for f in faults])  # checks their nodes
+    logs.setup(spec.log_level)
     try:
         code = Launcher(spec, summary).run()
     except LaunchError as exc:
         raise click.UsageError(str(exc)) from None
     raise typer.Exit(code)
+
+
+def _job_spec(make: Callable[..., JobSpec], *args: Any, **fields: Any) -> JobSpec:
+    """A job spec made by ``make`` (``JobSpec`` or ``dataclasses.replace``); what it refuses
+    is the user's error."""
+    try:
+        return make(*args, **fields)
+    except JobSpecError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _parse_nnodes(text: str) -> int:
@@ -293,6 +310,19 @@ def migrate_cmd(
     its PID and its state; the other ranks only pause."""
     reply = _request(job, coord, token, "migration refused", "migrate", rank=rank, to=to)
     print(f"xmig: {reply['migration']}")
+
+
+@app.command("stop")
+def stop_cmd(
+    reason: Annotated[str, typer.Option(help="Why, for the job's outcome.")] = "stopped by request",
+    job: JobOpt = None,
+    coord: CoordOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Stop a running job: its workers get --stop-grace seconds, then SIGKILL; the job ends
+    as failed with REASON."""
+    reply = _request(job, coord, token, "stop refused", "stop", reason=reason)
+    print("xmig: stopping the job" if reply.get("stopping") else "xmig: the job is already ending")
 
 
 @app.command("doctor")

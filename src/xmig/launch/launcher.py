@@ -14,16 +14,17 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from xmig.coord.job import JobSpec
 from xmig.coord.migration import job_images
 from xmig.jobenv import JOB_ID, TOKEN
+from xmig.jobspec import JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
+from xmig.paths import jobs_dir
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
 from xmig.wire import Client, WireError, parse_address
 
@@ -38,11 +39,6 @@ log = logging.getLogger(__name__)
 
 class LaunchError(Exception):
     """Bad input or a job that could not start: printed as one line, exit code 2."""
-
-
-def jobs_dir() -> Path:
-    """Where running jobs leave their address and token (readable by their owner only)."""
-    return Path(os.environ.get("XMIG_JOBS_DIR", Path.home() / ".xmig" / "jobs"))
 
 
 @dataclass
@@ -95,7 +91,7 @@ def remove_stale_jobs(folder: Path | None = None) -> list[Path]:
                 log.warning("cannot remove the stale job file %s: %s", path, exc)
                 continue
             removed.append(path)
-            log.info("removed the stale job file %s", path)
+            log.debug("removed the stale job file %s", path)
     return removed
 
 
@@ -182,7 +178,7 @@ class Launcher:
         ready = _read_ready_line(self.coordinator, COORDINATOR_START_TIMEOUT_S)
         if "error" in ready:
             raise LaunchError(ready["error"])
-        self.spec.master_port = int(ready["master_port"])
+        self.spec = replace(self.spec, master_port=int(ready["master_port"]))
         return str(ready["address"])
 
     def _start_agents(self, address: str) -> None:
@@ -198,8 +194,9 @@ class Launcher:
                 if enter is not None:
                     enter()
 
-            cmd = [sys.executable, "-m", "xmig.agent", "--coord", address, "--node-rank",
-                   str(node)]  # fmt: skip
+            # the node rank last: what tells the agents apart on a process list
+            cmd = [sys.executable, "-m", "xmig.agent", "--log-level", self.spec.log_level,
+                   "--coord", address, "--node-rank", str(node)]  # fmt: skip
             self.agents.append(
                 subprocess.Popen(
                     cmd,
@@ -219,7 +216,7 @@ class Launcher:
             ).create([r // self.spec.nproc_per_node for r in range(self.spec.world_size)])
         except HostSetupError as exc:
             raise LaunchError(str(exc)) from None
-        self.spec.master_addr = self.hosts.bridge_address
+        self.spec = replace(self.spec, master_addr=self.hosts.bridge_address)
         print(
             f"xmig: simulated hosts: {self.spec.all_nodes} network namespaces "
             f"({self.hosts.namespace(0)}…) on {self.hosts.subnet}, coordinator at "
@@ -390,7 +387,7 @@ class Launcher:
             pids = [p for ps in self._result.get("worker_pids", {}).values() for p in ps]
             left = wait_gone(pids, timeout=5.0)
             if left:
-                print(f"xmig: killing leftover worker processes {left}", file=sys.stderr)
+                log.warning("killing leftover worker processes %s", left)
                 kill_pids(left)
         if self.job_file is not None:
             self.job_file.unlink(missing_ok=True)

@@ -3,8 +3,9 @@
 Every op is logged (inputs copied before launch), launched on the current real communicator
 and handed back to the framework as a Work backed by a future the proxy owns. A waiter thread
 completes those futures in issue order. When an op fails, the proxy halts instead of failing
-the framework: the framework only sees a slow collective while the session rebuilds the
-communicator and re-issues the step's ops (``replay``), or serves them locally (``void``).
+the framework: the framework only sees a slow collective while the worker rebuilds the
+communicator and re-issues the step's ops (``replay``), or serves the rest of the step locally
+(``skip_rest_of_step``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ctypes
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
     """A ``ProcessGroup`` whose ops survive communicator failures.
 
     Modes: ``normal`` (forward to the communicator), ``local`` (serve every op without the
-    network: a replacement's prologue, or a voided step). ``before_op(step, index, op)`` runs
+    network: a replacement's prologue, or a step rolled back). ``before_op(step, index, op)`` runs
     before each op (fault injection); ``on_trouble(text)`` is called once when an op fails.
     """
 
@@ -73,9 +74,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
         # ops this returns True for are served without the network, also while halted, and
         # are not logged (DDP's layout broadcasts when their root died)
         self.local_filter: Callable[[OpRecord], bool] | None = None
-        self.expected: dict[int, list[str]] = {}  # step -> signatures a replacement must match
-        self.overrides: dict[tuple[int, int], torch.Tensor] = {}
-        self.served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
+        self._expected: dict[int, list[str]] = {}  # step -> signatures a replacement must match
+        self._overrides: dict[tuple[int, int], torch.Tensor] = {}
+        self._served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
         self.halted = False
         self.trouble: str | None = None
         self._buffers = BufferPool()
@@ -141,13 +142,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 self.before_op(self.step, index, op)
             except Exception as exc:  # an injected communication error: the proxy absorbs it
                 injected = exc
-        expected = self.expected.get(self.step) if self.step is not None else None
+        expected = self._expected.get(self.step) if self.step is not None else None
         if expected is not None and index < len(expected) and expected[index] != record.signature:
             raise ReplayMismatch(
                 f"op {index} of step {self.step} is {record.signature}, but the survivors "
                 f"logged {expected[index]}; refusing to issue it"
             )
-        override = self.overrides.pop((self.step, index), None) if self.step is not None else None
+        override = self._overrides.pop((self.step, index), None) if self.step is not None else None
         if override is not None:
             with torch.no_grad():
                 tensors_in(args[0])[0].copy_(override)
@@ -208,9 +209,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
             del self.int_broadcasts[:-KEPT_INT_BROADCASTS]
 
     def _serve_locally(self, record: OpRecord) -> None:
-        if record.op == "broadcast" and self.served:
+        if record.op == "broadcast" and self._served:
             with torch.no_grad():
-                tensors_in(record.args[0])[0].copy_(self.served.popleft())
+                tensors_in(record.args[0])[0].copy_(self._served.popleft())
         outputs = record.serve_locally(self.size())
         record.state = "done"
         if record.int_broadcast is not None:
@@ -267,7 +268,25 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if not self.keep_log:
             record.inputs = None
 
-    # ---- recovery primitives (called by the session's recovery thread) -----------------------
+    # ---- what a replacement takes from its peers ---------------------------------------------
+    def serve_broadcasts(self, payloads: Iterable[torch.Tensor]) -> None:
+        """The next broadcasts served locally take these payloads, in order (DDP's bucket
+        layout, as the peers took it)."""
+        with self._cv:
+            self._served.extend(payloads)
+
+    def override_broadcast(self, step: int, index: int, payload: torch.Tensor) -> None:
+        """Op ``index`` of ``step`` (a broadcast) goes out with ``payload`` as its input."""
+        with self._cv:
+            self._overrides[(step, index)] = payload
+
+    def expect_signatures(self, step: int, signatures: list[str]) -> None:
+        """The ops of ``step`` must have these signatures, in order: one that differs is
+        refused (``ReplayMismatch``) instead of issued."""
+        with self._cv:
+            self._expected[step] = list(signatures)
+
+    # ---- recovery primitives (called by the worker's recovery thread) ------------------------
     def halt(self) -> None:
         """Stop launching; ops in flight are abandoned (their results no longer count)."""
         with self._cv:
@@ -388,8 +407,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
             )
         work.get_future().value()  # raises if it failed
 
-    def void(self) -> None:
-        """Serve pending and future ops of this step locally (a step that will be redone)."""
+    def skip_rest_of_step(self) -> None:
+        """Serve pending and future ops of this step without the network (a step rolled back:
+        it will be redone)."""
         with self._cv:
             pending = list(self._queue)
             self._queue.clear()

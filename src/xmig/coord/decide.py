@@ -1,0 +1,97 @@
+"""Pure decisions on a job's membership: whether a fault can be recovered, where the
+replacements go, whether a rank can move."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xmig.coord.migration import gpu_conflict
+from xmig.protocol import FaultRecord
+
+if TYPE_CHECKING:
+    from xmig.coord.machine import Job
+
+
+def idle_nodes(job: Job) -> list[int]:
+    """Live nodes with no rank on them: spare nodes, or ones whose ranks moved away."""
+    busy = {m.node for m in job.members.values()}
+    return sorted(n for n in job.agents if n not in busy)
+
+
+def placement(job: Job, replaced: list[int]) -> dict[int, int]:
+    """Where each replacement starts: its own node while that lives, else an idle one (all
+    ranks of one lost node go to the same idle node)."""
+    placed: dict[int, int] = {}
+    idle = idle_nodes(job)
+    moved: dict[int, int] = {}
+    for rank in replaced:
+        node = job.members[rank].node
+        if node in job.agents:
+            placed[rank] = node
+        else:
+            if node not in moved:
+                moved[node] = idle.pop(0)
+            placed[rank] = moved[node]
+    return placed
+
+
+def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int]) -> str | None:
+    """Why the fault cannot be recovered in place (None: it can)."""
+    homeless = {job.members[r].node for r in replaced if r in job.members} - job.agents
+    if len(homeless) > len(idle_nodes(job)):
+        return (f"node {sorted(homeless)[0]} was lost and there is no spare node to take its "
+                "ranks (--spare-nodes)")  # fmt: skip
+    if len(job.recoveries) >= job.spec.max_recoveries:
+        return f"the job already recovered {len(job.recoveries)} times (--max-recoveries)"
+    unmanaged = sorted(set(range(job.spec.world_size)) - job.joined - set(replaced))
+    if unmanaged:
+        return f"rank {unmanaged[0]} never called xmig.init(), so it cannot be parked"
+    missing = sorted(r for r in replaced if r not in job.members)
+    if missing:
+        return f"rank {missing[0]} never started, so there is nothing to replace"
+    gone = sorted(job.exited - set(replaced))
+    if gone:
+        return (f"ranks {gone} finished and exited before the fault, so they cannot serve the "
+                "state or replay the last step with a replacement")  # fmt: skip
+    if len(replaced) >= job.spec.world_size:
+        return "every rank failed: no peer holds the state"
+    for done in job.recoveries[-2:]:
+        if replaced and done["ranks"] == replaced and done["step"] == primary.step:
+            return (f"rank {replaced[0]} failed again at step {primary.step}: a crash that "
+                    "repeats is not a fault to recover from")  # fmt: skip
+    return None
+
+
+def migration_problem(job: Job, rank: int, target: int | None) -> tuple[str | None, int]:
+    """Why ``rank`` cannot move to ``target`` now (None: it can), and the target."""
+    from xmig.coord.machine import JobState
+
+    if job.state is not JobState.RUNNING:
+        what = "handling a fault" if job.state is JobState.SETTLING else job.state.value
+        return f"the job is {what}, not running", -1
+    if not 0 <= rank < job.spec.world_size:
+        return f"rank {rank} does not exist (world size {job.spec.world_size})", -1
+    member = job.members.get(rank)
+    if member is None or rank not in job.progress:
+        return f"rank {rank} has not started training yet", -1
+    if target is None:
+        idle = idle_nodes(job)
+        if not idle:
+            return ("no idle node to move to: name one with --to, or start the job with "
+                    "--spare-nodes", -1)  # fmt: skip
+        target = idle[0]
+    if not 0 <= target < job.spec.all_nodes:
+        return f"node {target} does not exist (nodes 0..{job.spec.all_nodes - 1})", target
+    if target not in job.agents:
+        return f"node {target} is lost", target
+    if target == member.node:
+        return f"rank {rank} is already on node {target}", target
+    for node in (member.node, target):
+        status = job.criu.get(node)
+        if status is None:
+            return f"node {node} has not reported whether CRIU works there yet", target
+        if not status.usable:
+            return f"CRIU is not usable on node {node}: {status.detail}", target
+    gpus = {node: status.gpus for node, status in job.criu.items()}
+    nodes = {r: m.node for r, m in job.members.items()}
+    return gpu_conflict(rank, target, nodes, gpus, job.spec.nproc_per_node), target

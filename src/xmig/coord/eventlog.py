@@ -1,0 +1,45 @@
+"""The job's event log: one JSON object a line (every fault, each recovery and migration
+phase with its time, generation and state changes), in the job's folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger(__name__)
+
+
+class EventLog:
+    """Appends events to ``path``; a log that cannot be written is reported once, never
+    stops the job."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._out: TextIO | None = None
+        self._broken = False
+
+    def write(self, event: str, t: float, fields: dict[str, Any]) -> None:
+        if self._broken:
+            return
+        try:
+            if self._out is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._out = self.path.open("a")
+            self._out.write(json.dumps({"t": round(t, 6), "event": event, **fields},
+                                       default=str) + "\n")  # fmt: skip
+            self._out.flush()
+        except OSError as exc:
+            self._broken = True
+            log.warning("warning: cannot write the event log %s: %s", self.path, exc)
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The events of a log, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

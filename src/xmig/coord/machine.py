@@ -1,0 +1,615 @@
+"""The job as the coordinator decides it: a state machine over the catalogue's messages.
+
+``Job.on(event, now)`` applies one event and returns the orders it calls for; it holds no
+socket, thread or clock (``now`` is the wall-clock time of the event). The ``Coordinator``
+feeds it events in order on one thread and carries the orders out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from xmig.coord import decide, summary
+from xmig.coord.migration import Migration, MigrationPhase, images_dir, shared_images
+from xmig.coord.orders import (
+    AgentLost,
+    Finish,
+    GiveUp,
+    Note,
+    Order,
+    Refused,
+    Reply,
+    Say,
+    Settled,
+    Tick,
+    ToAll,
+    ToNode,
+)
+from xmig.coord.recovery import Recovery
+from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
+from xmig.jobspec import JobSpec
+from xmig.protocol import (
+    Abort,
+    AgentHello,
+    CriuStatus,
+    Dumped,
+    Fault,
+    FaultRecord,
+    InjectFault,
+    InjectRequest,
+    MigrateRequest,
+    NodeDying,
+    NotBitIdentical,
+    Park,
+    Parked,
+    Paused,
+    PauseRefused,
+    Progress,
+    Recovered,
+    RecoveryFailed,
+    Rejoined,
+    Release,
+    Respawn,
+    Restored,
+    Resumed,
+    Spares,
+    StateSent,
+    StatusRequest,
+    StopJob,
+    Stopped,
+    StopWorkers,
+    UnreachableFaults,
+    Verify,
+    WorkerDone,
+    WorkerExited,
+    WorkerJoined,
+    WorkerStarted,
+)
+
+# faults detected within this window of the first one are weighed together: the earliest is
+# the cause, the rest (peers failing because it died) are its consequences
+SETTLE_WINDOW_S = 0.1
+STOP_SLACK_S = 10.0  # beyond the stop grace, how long agents may take to confirm a stop
+
+
+class JobState(enum.Enum):
+    STARTING = "starting"  # agents connect
+    RUNNING = "running"
+    SETTLING = "settling"  # a fault: its consequences arrive before the cause is chosen
+    RECOVERING = "recovering"
+    MIGRATING = "migrating"
+    STOPPING = "stopping"  # agents stop their workers
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+S = JobState
+# JobState -> the states it may go to; ``Job._enter`` enforces it
+TRANSITIONS: dict[JobState, set[JobState]] = {
+    S.STARTING: {S.RUNNING, S.SETTLING, S.STOPPING},
+    S.RUNNING: {S.SETTLING, S.MIGRATING, S.STOPPING, S.COMPLETED},
+    S.SETTLING: {S.RECOVERING, S.STOPPING},
+    S.RECOVERING: {S.RUNNING, S.STOPPING},
+    S.MIGRATING: {S.RUNNING, S.STOPPING},
+    S.STOPPING: {S.FAILED},
+    S.COMPLETED: set(),
+    S.FAILED: set(),
+}
+LIVE = (S.STARTING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATING)
+RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined)
+MIGRATION_EVENTS = (Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
+
+
+class IllegalTransition(AssertionError):
+    """A decision that the transition table forbids: a bug, never a user error."""
+
+
+@dataclass
+class Member:
+    """A rank's current process, as its agent reported it."""
+
+    node: int
+    pid: int
+    attempt: int
+    from_spare: bool = False
+
+
+@dataclass
+class Job:
+    """Membership, generations, the fault log and the outcome of one job."""
+
+    spec: JobSpec
+    started: float
+    state: JobState = JobState.STARTING
+    generation: int = 0
+    agents: set[int] = field(default_factory=set)  # live nodes
+    agent_pids: dict[int, int] = field(default_factory=dict)
+    agent_netns: dict[int, int] = field(default_factory=dict)
+    members: dict[int, Member] = field(default_factory=dict)
+    worker_pids: dict[int, list[int]] = field(default_factory=dict)
+    joined: set[int] = field(default_factory=set)
+    progress: dict[int, int] = field(default_factory=dict)
+    done: dict[int, WorkerDone] = field(default_factory=dict)
+    exited: set[int] = field(default_factory=set)
+    released: bool = False  # every rank finished: finished ranks were let go
+    faults: list[FaultRecord] = field(default_factory=list)
+    primary: FaultRecord | None = None
+    batch: list[FaultRecord] = field(default_factory=list)  # faults being settled
+    settle_until: float = 0.0
+    recovery: Recovery | None = None
+    migration: Migration | None = None
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    migrations: list[dict[str, Any]] = field(default_factory=list)
+    # what the ranks said of each recovery's outcome: generation -> its checks
+    checks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    verdict: str | None = None  # why the job's result cannot be trusted, if it cannot
+    reason: str | None = None
+    stopped_nodes: set[int] = field(default_factory=set)
+    stop_started: float = 0.0
+    stop_s: float | None = None
+    spares_ready: dict[int, int] = field(default_factory=dict)
+    node_announced: dict[int, NodeDying] = field(default_factory=dict)  # injected node losses
+    lost_nodes: list[int] = field(default_factory=list)
+    fired: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> injected
+    criu: dict[int, CriuStatus] = field(default_factory=dict)
+    scheduled: list[dict[str, Any]] = field(default_factory=list)  # injected migrations
+    total_steps: int | None = None  # as the script's step loop said
+    warned: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.worker_pids = {r: [] for r in range(self.spec.world_size)}
+        self.scheduled = [f for f in self.spec.faults if f["kind"] == "migrate"]
+
+    # ---- the one entry -----------------------------------------------------------------------
+    def on(self, event: Any, now: float) -> list[Order]:
+        """Apply ``event``; the orders it calls for. Raises ``Refused`` for a request that
+        cannot be carried out."""
+        orders: list[Order] = []
+        handler = HANDLERS.get(type(event))
+        if handler is not None:
+            orders += handler(self, event, now)
+        if self.recovery is not None and isinstance(event, (*RECOVERY_EVENTS, Tick)):
+            orders += self._follow(self.recovery.on(event, now), now)
+        if self.migration is not None and isinstance(event, (*MIGRATION_EVENTS, WorkerDone, Tick)):
+            orders += self._follow(self.migration.on(event, now), now)
+            if self.migration is not None and self.migration.phase is MigrationPhase.DROPPED:
+                self.migration = None
+                orders += [*self._enter(S.RUNNING, now), *self._maybe_release(now)]
+        if isinstance(event, Tick):
+            orders += self._deadlines(now)
+        return orders
+
+    def next_deadline(self) -> float | None:
+        """When a ``Tick`` is next due for a decision (None: no timer beyond the usual)."""
+        return self.settle_until if self.state is S.SETTLING else None
+
+    def _enter(self, state: JobState, now: float) -> list[Order]:
+        if state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"the job cannot go from {self.state.name} to {state.name}")
+        before, self.state = self.state, state
+        return [Note("job", {"from": before.value, "to": state.value})]
+
+    def _follow(self, orders: list[Order], now: float) -> list[Order]:
+        """Carry a recovery's or migration's verdict into the job's own state."""
+        out: list[Order] = []
+        for order in orders:
+            if isinstance(order, GiveUp):
+                out += self._give_up(order.what, order.reason, now)
+            elif isinstance(order, Settled):
+                out += self._settled(order, now)
+            else:
+                out.append(order)
+        return out
+
+    # ---- agents and workers ------------------------------------------------------------------
+    def _agent_hello(self, msg: AgentHello, now: float) -> list[Order]:
+        if msg.node in self.agents or not 0 <= msg.node < self.spec.all_nodes:
+            raise Refused(f"node {msg.node} is not expected or already joined")
+        self.agents.add(msg.node)
+        self.agent_pids[msg.node] = msg.pid
+        if msg.netns is not None:
+            self.agent_netns[msg.node] = msg.netns
+        orders: list[Order] = [Note("agent", {"node": msg.node, "pid": msg.pid})]
+        if len(self.agents) == self.spec.all_nodes and self.state is S.STARTING:
+            orders += self._enter(S.RUNNING, now)
+        return [*orders, Reply({"job": self.spec.to_json(), "generation": self.generation})]
+
+    def _worker_started(self, msg: WorkerStarted, now: float) -> list[Order]:
+        self.worker_pids[msg.rank].append(msg.pid)
+        self.members[msg.rank] = Member(msg.node, msg.pid, msg.attempt, msg.from_spare)
+        return []
+
+    def _worker_joined(self, msg: WorkerJoined, now: float) -> list[Order]:
+        self.joined.add(msg.rank)
+        return []
+
+    def _progress(self, msg: Progress, now: float) -> list[Order]:
+        self.progress[msg.rank] = msg.step
+        orders: list[Order] = []
+        for fault in list(self.scheduled):
+            if fault["rank"] == msg.rank and msg.step >= int(fault["step"]) - 1:
+                self.scheduled.remove(fault)
+                try:
+                    text, started = self._start_migration(msg.rank, fault.get("to"), "injected",
+                                                          now)  # fmt: skip
+                    orders += started
+                except Refused as exc:
+                    orders.append(Say(f"injected migration of rank {msg.rank} not done: {exc}"))
+        return orders
+
+    def _worker_done(self, msg: WorkerDone, now: float) -> list[Order]:
+        self.done[msg.rank] = msg
+        return self._maybe_release(now)
+
+    def _worker_exited(self, msg: WorkerExited, now: float) -> list[Order]:
+        self.exited.add(msg.rank)
+        if self.recovery is not None and msg.rank in self.recovery.survivors:
+            return self._follow(self.recovery.fail(
+                f"rank {msg.rank} finished and exited during the recovery, so it cannot replay "
+                "the last step", now), now)  # fmt: skip
+        if self.state is S.RUNNING and len(self.exited) == self.spec.world_size:
+            return [*self._enter(S.COMPLETED, now), self._finish(now)]
+        return []
+
+    def _bookkeeping(self, msg: Any, now: float) -> list[Order]:
+        if isinstance(msg, Spares):
+            self.spares_ready[msg.node] = msg.ready
+        elif isinstance(msg, CriuStatus):
+            self.criu[msg.node] = msg
+        elif isinstance(msg, NodeDying):
+            self.node_announced[msg.node] = msg
+        return []
+
+    def _unreachable(self, msg: UnreachableFaults, now: float) -> list[Order]:
+        """A rank's step loop is shorter than its injected faults: say so at once (the end
+        counts them as an error)."""
+        self.total_steps = msg.total
+        late = [f for f in self.scheduled if int(f["step"]) >= msg.total]
+        orders: list[Order] = []
+        for fault in [*msg.faults, *late]:
+            name = str(FaultSpec.from_json(fault))
+            if name not in self.warned:
+                self.warned.add(name)
+                orders.append(Say(f"warning: fault {name} will never fire: the script runs "
+                                  f"{msg.total} steps", logging.WARNING))  # fmt: skip
+        return orders
+
+    # ---- faults ------------------------------------------------------------------------------
+    def _fault(self, msg: Fault, now: float) -> list[Order]:
+        record = msg.record
+        stale = record.generation is not None and record.generation < self.generation
+        if record.kind == "comm_error" and (self.state is S.RECOVERING or stale):
+            return []  # a survivor noticing the fault that is being recovered from
+        if self.state in (S.STARTING, S.RUNNING):
+            self.batch, self.settle_until = [record], now + SETTLE_WINDOW_S
+            return [Note("fault", dataclasses.asdict(record)), *self._enter(S.SETTLING, now)]
+        if self.state is S.SETTLING:
+            self.batch.append(record)
+            return [Note("fault", dataclasses.asdict(record))]
+        self.faults.append(dataclasses.replace(record, secondary=self.state not in LIVE))
+        if self.state is S.RECOVERING:
+            assert self.recovery is not None
+            return [Note("fault", dataclasses.asdict(record)),
+                    Say(f"fault during recovery: {summary.describe(record)}"),
+                    *self._follow(self.recovery.fail("a second fault hit during recovery", now),
+                                  now)]  # fmt: skip
+        if self.state is S.MIGRATING:
+            assert self.migration is not None
+            self.primary = record
+            return [Note("fault", dataclasses.asdict(record)),
+                    Say(f"fault during a migration: {summary.describe(record)}"),
+                    *self._follow(self.migration.fail("a fault hit during the migration", now),
+                                  now)]  # fmt: skip
+        return [Note("fault", dataclasses.asdict(record))]
+
+    def _agent_lost(self, event: AgentLost, now: float) -> list[Order]:
+        node = event.node
+        if node not in self.agents:
+            return []  # already handled (its connection closed and it went silent)
+        self.agents.discard(node)
+        if self.state not in LIVE:
+            self.stopped_nodes.add(node)
+            return self._maybe_finish_stop(now)
+        self.lost_nodes.append(node)
+        record = self._lost_record(node, now)
+        orders: list[Order] = [Note("agent_lost", {"node": node})]
+        if record is None:
+            orders.append(Say(f"spare node {node} was lost"))
+        moving = self.migration is not None and node in (self.migration.source,
+                                                          self.migration.target)  # fmt: skip
+        if self.state is S.MIGRATING and (record is not None or moving):
+            assert self.migration is not None
+            if record is not None:
+                self.faults.append(record)
+            return [*orders, *self._follow(self.migration.fail(
+                f"the agent of node {node} was lost", now), now)]  # fmt: skip
+        if record is None or self.state is S.MIGRATING:
+            return orders
+        if self.state is S.RECOVERING:
+            assert self.recovery is not None
+            self.faults.append(record)
+            return [*orders, *self._follow(self.recovery.fail(
+                f"the agent of node {node} was lost during recovery", now), now)]  # fmt: skip
+        return [*orders, *self._fault(Fault(record=record), now)]
+
+    def _lost_record(self, node: int, now: float) -> FaultRecord | None:
+        """The fault record for a lost node's ranks, or None when it had none."""
+        ranks = sorted(r for r, m in self.members.items() if m.node == node)
+        if not ranks:
+            return None
+        announced = self.node_announced.pop(node, None)
+        t_fault = announced.t if announced else now
+        return FaultRecord(
+            rank=ranks[0], ranks=ranks, node=node, pid=self.agent_pids.get(node, -1), attempt=0,
+            kind="agent_lost", detail=f"agent of node {node} and its ranks {ranks} gone",
+            step=min((self.progress.get(r, 0) for r in ranks), default=None),
+            injected=announced.fault if announced else None, t_fault=t_fault, t_detected=now,
+            fault_time_source="injection" if announced else "detection",
+            detected_after_s=round(max(0.0, now - t_fault), 6),
+        )  # fmt: skip
+
+    def _settle(self, now: float) -> list[Order]:
+        """The settle window closed: the earliest death is the cause; a death explains the
+        communication errors its peers saw; without one, the first error is the fault."""
+        batch, self.batch = self.batch, []
+        deaths = sorted((r for r in batch if r.kind != "comm_error"), key=lambda r: r.t_fault)
+        errors = sorted((r for r in batch if r.kind == "comm_error"), key=lambda r: r.t_fault)
+        ordered = [
+            dataclasses.replace(r, secondary=i > 0 and (r.kind == "comm_error" or not deaths))
+            for i, r in enumerate(deaths + errors)
+        ]
+        for record in ordered:
+            self.faults.append(record)
+            if record.injected:
+                self.fired.setdefault(int(record.injected["rank"]), []).append(record.injected)
+        self.primary = ordered[0]
+        orders: list[Order] = [Say(f"fault: {summary.describe(ordered[0])}")]
+        orders += [Say(f"  also: {summary.describe(r)}") for r in ordered[1:] if not r.secondary]
+        dead = sorted({rank for r in deaths for rank in r.lost_ranks})
+        return orders + self._start_recovery(ordered[0], dead, now)
+
+    # ---- recovery ----------------------------------------------------------------------------
+    def _start_recovery(self, primary: FaultRecord, replaced: list[int], now: float) -> list[Order]:
+        why_not = decide.why_no_recovery(self, primary, replaced)
+        if why_not is not None:
+            self.reason = why_not
+            return [Say(f"no in-place recovery: {why_not}"), *self._stop("fault", now)]
+        self.generation += 1
+        survivors = [r for r in range(self.spec.world_size) if r not in replaced]
+        placement = decide.placement(self, replaced)
+        self.recovery = Recovery(self.generation, primary, replaced, survivors, started=now,
+                                 deadline=now + self.spec.recovery_timeout,
+                                 placement=placement)  # fmt: skip
+        self.joined -= set(replaced)
+        for rank in replaced:
+            self.done.pop(rank, None)
+        orders: list[Order] = [
+            *self._enter(S.RECOVERING, now),
+            Note("generation", {"generation": self.generation, "why": "recovery",
+                                "replaced": replaced}),
+            ToAll(Park(generation=self.generation, replaced=replaced)),
+        ]  # fmt: skip
+        for rank in replaced:
+            orders.append(ToNode(placement[rank], Respawn(
+                rank=rank, generation=self.generation,
+                local_rank=rank % self.spec.nproc_per_node,
+                attempt=self.members[rank].attempt + 1,
+                fired=self.fired.get(rank, []),  # on another node: not to be fired again
+            )))  # fmt: skip
+        moved = sorted({n for r, n in placement.items() if n != self.members[r].node})
+        what = f"respawning rank {replaced}" if replaced else "rebuilding in place"
+        if moved:
+            what += f" on spare node {', '.join(map(str, moved))}"
+        return [*orders, Say(f"recovery to generation {self.generation}: {what}")]
+
+    def _recovery_failed(self, msg: RecoveryFailed, now: float) -> list[Order]:
+        if self.recovery is None:
+            return []
+        return self._follow(
+            self.recovery.fail(f"rank {msg.rank} could not recover: {msg.error}", now), now
+        )
+
+    def _settled(self, settled: Settled, now: float) -> list[Order]:
+        """A recovery or migration has finished: keep its record, run on, say so."""
+        if self.recovery is not None:
+            self.recoveries.append(settled.record)
+        else:
+            self.migrations.append(settled.record)
+        self.recovery = self.migration = None
+        return [*self._enter(S.RUNNING, now), Say(settled.line), *self._maybe_release(now)]
+
+    def _give_up(self, what: str, reason: str, now: float) -> list[Order]:
+        """End a recovery or migration that cannot finish: every worker is told, the job stops
+        with ``reason``."""
+        self.recovery = self.migration = None
+        self.reason = reason
+        return [ToAll(Abort(reason=reason)), Say(f"{what}: {reason}"), *self._stop("fault", now)]
+
+    # ---- checks after a recovery -------------------------------------------------------------
+    def _check(self, msg: Verify | NotBitIdentical, now: float) -> list[Order]:
+        """What the ranks say after a recovery: their replicas' checksums (all equal, or the
+        job stops) and whether the recovered run can still be the fault-free run's."""
+        checks = self.checks.setdefault(msg.generation, {"verified": None, "sums": {}})
+        if isinstance(msg, NotBitIdentical):
+            checks["not_bit_identical"] = msg.why
+            return [Say(f"warning: the recovery of generation {msg.generation} is not "
+                        f"bit-identical to a run without the fault: {msg.why}",
+                        logging.WARNING)]  # fmt: skip
+        checks["sums"][msg.rank] = msg.checksum
+        if len(checks["sums"]) < self.spec.world_size:
+            return []
+        sums = {r: c for r, c in checks["sums"].items() if c}
+        checks["verified"] = len(set(sums.values())) <= 1 if sums else None
+        if checks["verified"] is not False:
+            return []
+        return self._distrust(
+            f"after the recovery of generation {msg.generation} the ranks' parameters differ at "
+            f"step {msg.step} ({summary.by_rank(sums)}): the state was corrupted in transit or "
+            "the script does not recompute a step the same way", now)  # fmt: skip
+
+    def _maybe_release(self, now: float) -> list[Order]:
+        """Once every rank has finished its steps, nobody can need a finished rank's state
+        any more: let them all exit. Replicas that end different fail the job instead."""
+        if self.released or self.state is not S.RUNNING:
+            return []
+        if not set(self.done) >= set(range(self.spec.world_size)):
+            return []
+        sums = {r: d.checksum for r, d in self.done.items() if d.checksum}
+        if len(set(sums.values())) > 1:
+            return self._distrust(
+                f"the ranks' parameters differ at the end ({summary.by_rank(sums)}): DDP's "
+                "replicas must be equal; the result is not trustworthy", now)  # fmt: skip
+        self.released = True
+        return [ToAll(Release())]
+
+    def _distrust(self, reason: str, now: float) -> list[Order]:
+        """Stop a job whose result cannot be trusted, saying why."""
+        self.verdict = reason
+        orders: list[Order] = [Say(f"stopping: {reason}")]
+        if self.recovery is not None or self.migration is not None:
+            self.recovery = self.migration = None
+            orders.append(ToAll(Abort(reason=reason)))
+        return orders + self._stop(reason, now)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _status(self, msg: StatusRequest, now: float) -> list[Order]:
+        return [Reply({"status": summary.status(self)})]
+
+    def _inject(self, msg: InjectRequest, now: float) -> list[Order]:
+        try:
+            fault = parse_fault(msg.spec, require_step=False)
+        except FaultSpecError as exc:
+            raise Refused(str(exc)) from None
+        if fault.rank >= self.spec.world_size:
+            raise Refused(f"rank {fault.rank} does not exist (world size {self.spec.world_size})")
+        if self.state is not S.RUNNING:
+            raise Refused(f"the job is {self.state.value}, not running")
+        current = self.progress.get(fault.rank)
+        # without a step the rank itself takes its next step: progress seen here may lag
+        if fault.step is not None and current is not None and fault.step <= current:
+            raise Refused(f"rank {fault.rank} is already at step {current}")
+        member = self.members.get(fault.rank)
+        if member is None or member.node not in self.agents:
+            raise Refused(f"rank {fault.rank} has no live agent")
+        return [ToNode(member.node, InjectFault(fault=fault.to_json())),
+                Say(f"fault {fault} queued by request"), Reply({"fault": str(fault)})]  # fmt: skip
+
+    def _migrate(self, msg: MigrateRequest, now: float) -> list[Order]:
+        text, orders = self._start_migration(msg.rank, msg.to, "request", now)
+        return [*orders, Reply({"migration": text})]
+
+    def _start_migration(self, rank: int, target: int | None, why: str,
+                         now: float) -> tuple[str, list[Order]]:  # fmt: skip
+        problem, target = decide.migration_problem(self, rank, target)
+        if problem is not None:
+            raise Refused(problem)
+        self.generation += 1
+        member = self.members[rank]
+        step = max(self.progress.values()) + 1  # a boundary no rank has passed yet
+        name = f"rank{rank}-g{self.generation}"
+        self.migration = Migration(
+            self.generation, rank, member.pid, member.node, target, step,
+            images_dir(self.spec.job_id, member.node, name),
+            images_dir(self.spec.job_id, target, name), why,
+            world_size=self.spec.world_size, local_rank=rank % self.spec.nproc_per_node,
+            attempt=member.attempt, started=now, deadline=now + self.spec.recovery_timeout,
+            serve_images=not shared_images(),
+        )  # fmt: skip
+        text = (f"moving rank {rank} from node {member.node} to node {target} at the start of "
+                f"step {step} (generation {self.generation})")  # fmt: skip
+        orders = [*self._enter(S.MIGRATING, now),
+                  Note("generation", {"generation": self.generation, "why": "migration"}),
+                  *self.migration.start(now), Say(text)]  # fmt: skip
+        return text, orders
+
+    def _restored(self, msg: Restored, now: float) -> list[Order]:
+        if msg.ok and self.migration is not None and msg.rank == self.migration.rank:
+            self.members[msg.rank].node = msg.node
+        return []
+
+    # ---- stopping ------------------------------------------------------------------------------
+    def _stop_request(self, msg: StopJob, now: float) -> list[Order]:
+        if self.state not in LIVE:
+            return [Reply({"stopping": False})]
+        orders: list[Order] = []
+        if self.recovery is not None or self.migration is not None:
+            self.recovery = self.migration = None
+            orders.append(ToAll(Abort(reason=msg.reason)))
+        return [*orders, *self._stop(msg.reason, now), Reply({"stopping": True})]
+
+    def _stop(self, reason: str, now: float) -> list[Order]:
+        """Every agent stops its workers; the job fails once all have (or at a deadline)."""
+        if reason != "fault" or self.reason is None:
+            self.reason = reason
+        orders = self._enter(S.STOPPING, now)
+        if reason != "fault":
+            orders.append(Say(f"stopping the job: {reason}"))
+        self.stop_started = now
+        orders += [ToNode(n, StopWorkers(grace=self.spec.stop_grace)) for n in sorted(self.agents)]
+        return orders + self._maybe_finish_stop(now)
+
+    def _stopped(self, msg: Stopped, now: float) -> list[Order]:
+        self.stopped_nodes.add(msg.node)
+        return self._maybe_finish_stop(now)
+
+    def _maybe_finish_stop(self, now: float) -> list[Order]:
+        if self.state is S.STOPPING and self.stopped_nodes >= self.agents:
+            self.stop_s = now - self.stop_started
+            return [*self._enter(S.FAILED, now), self._finish(now)]
+        return []
+
+    def _finish(self, now: float) -> Finish:
+        return Finish(summary.summary(self, now))
+
+    def _deadlines(self, now: float) -> list[Order]:
+        if self.state is S.SETTLING and now >= self.settle_until:
+            return self._settle(now)
+        if self.state is S.STARTING and now > self.started + self.spec.agent_connect_timeout:
+            missing = sorted(set(range(self.spec.all_nodes)) - self.agents)
+            return self._stop(f"agents of nodes {missing} did not connect within "
+                              f"{self.spec.agent_connect_timeout:.0f} s", now)  # fmt: skip
+        stop_deadline = self.stop_started + self.spec.stop_grace + STOP_SLACK_S
+        if self.state is S.STOPPING and now > stop_deadline:
+            missing = sorted(set(range(self.spec.nnodes)) - self.stopped_nodes)
+            self.stop_s = now - self.stop_started
+            return [Say(f"agents of nodes {missing} did not confirm the stop in time"),
+                    *self._enter(S.FAILED, now), self._finish(now)]  # fmt: skip
+        return []
+
+
+def _ignore(job: Job, msg: Any, now: float) -> list[Order]:
+    return []
+
+
+# message type -> the Job's handler; the recovery and migration get theirs in ``Job.on``
+HANDLERS: dict[type, Callable[[Job, Any, float], list[Order]]] = {
+    AgentHello: Job._agent_hello,
+    AgentLost: Job._agent_lost,
+    WorkerStarted: Job._worker_started,
+    WorkerJoined: Job._worker_joined,
+    Progress: Job._progress,
+    WorkerDone: Job._worker_done,
+    WorkerExited: Job._worker_exited,
+    Spares: Job._bookkeeping,
+    CriuStatus: Job._bookkeeping,
+    NodeDying: Job._bookkeeping,
+    UnreachableFaults: Job._unreachable,
+    Fault: Job._fault,
+    RecoveryFailed: Job._recovery_failed,
+    Verify: Job._check,
+    NotBitIdentical: Job._check,
+    StatusRequest: Job._status,
+    InjectRequest: Job._inject,
+    MigrateRequest: Job._migrate,
+    Restored: Job._restored,
+    StopJob: Job._stop_request,
+    Stopped: Job._stopped,
+    Tick: _ignore,
+}
+for _cls in (*RECOVERY_EVENTS, *MIGRATION_EVENTS):
+    HANDLERS.setdefault(_cls, _ignore)

@@ -1,0 +1,93 @@
+"""What the coordinator's state machines decide: orders the ``Coordinator`` carries out, and
+the events it feeds them besides the catalogue's messages. Nothing here touches a socket."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from xmig.protocol import Message
+
+
+# ---- events that are not messages ----------------------------------------------------------
+@dataclass(frozen=True)
+class Tick:
+    """Time passed (deadlines are checked against the ``now`` every event carries)."""
+
+
+@dataclass(frozen=True)
+class AgentLost:
+    """A node's agent is gone: its connection closed, or it fell silent."""
+
+    node: int
+
+
+# ---- orders --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToAll:
+    """Push ``msg`` to every live agent."""
+
+    msg: Message
+
+
+@dataclass(frozen=True)
+class ToNode:
+    """Push ``msg`` to one node's agent."""
+
+    node: int
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Say:
+    """A line for the user (the coordinator's log)."""
+
+    text: str
+    level: int = logging.INFO
+
+
+@dataclass(frozen=True)
+class Note:
+    """An entry for the job's event log."""
+
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to the request being handled."""
+
+    value: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The job has its outcome: tell the launchers, shut the agents down."""
+
+    summary: dict[str, Any]
+
+
+# ---- what a recovery or migration tells the job --------------------------------------------
+@dataclass(frozen=True)
+class GiveUp:
+    """The recovery or migration cannot finish; the job stops with ``reason``."""
+
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The recovery or migration finished; ``record`` is what it leaves behind."""
+
+    record: dict[str, Any]
+    line: str
+
+
+class Refused(ValueError):
+    """A request the job cannot carry out now; the message says why."""
+
+
+Order = ToAll | ToNode | Say | Note | Reply | Finish | GiveUp | Settled

@@ -1,0 +1,107 @@
+"""What the job tells its launcher and ``xmig status``: read from the ``Job``, never changing it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from xmig.coord.job import describe_fault
+from xmig.faults.spec import FaultSpec
+from xmig.protocol import FaultRecord
+
+if TYPE_CHECKING:
+    from xmig.coord.machine import Job
+
+
+def describe(record: FaultRecord) -> str:
+    """One human line for a fault record."""
+    return describe_fault(dataclasses.asdict(record))
+
+
+def by_rank(values: dict[int, Any]) -> str:
+    return ", ".join(f"rank {r}: {str(v)[:12]}" for r, v in sorted(values.items()))
+
+
+def unfired(job: Job) -> list[str]:
+    """Faults given at launch that never happened (migrations included)."""
+    fired = [f for faults in job.fired.values() for f in faults]
+    moved = {(m["rank"], m.get("why")) for m in job.migrations}
+    never = [f for f in job.spec.faults if f["kind"] != "migrate" and f not in fired]
+    never += [f for f in job.spec.faults if f["kind"] == "migrate"
+              and (f in job.scheduled or (f["rank"], "injected") not in moved)]  # fmt: skip
+    return [str(FaultSpec.from_json(f)) for f in never]
+
+
+def status(job: Job) -> dict[str, Any]:
+    return {
+        "job_id": job.spec.job_id,
+        "status": job.state.value,
+        "generation": job.generation,
+        "world_size": job.spec.world_size,
+        "progress": {str(r): s for r, s in sorted(job.progress.items())},
+        "faults": len(job.faults),
+        "spares_ready": sum(job.spares_ready.values()),
+    }
+
+
+def _with_checks(job: Job, record: dict[str, Any]) -> dict[str, Any]:
+    checks = job.checks.get(int(record["generation"]), {})
+    extra = {"verified": checks.get("verified")}
+    if checks.get("not_bit_identical"):
+        extra["not_bit_identical"] = checks["not_bit_identical"]
+    return {**record, **extra}
+
+
+def summary(job: Job, now: float) -> dict[str, Any]:
+    """The run's outcome, as ``xmig run --summary`` writes it."""
+    ws = job.spec.world_size
+    never = unfired(job)
+    completed = job.state.value == "completed"
+    exit_code = 0 if completed else 1
+    if completed:
+        steps = job.done[0].steps if 0 in job.done else None
+        fingerprint = job.done[0].params_sha256 if 0 in job.done else None
+        message = f"completed {steps} steps on {ws} ranks"
+        if never:
+            # a chaos run whose faults never happened tested nothing: bad input
+            exit_code = 2
+            message += f", but injected faults never fired: {', '.join(never)}"
+    else:
+        steps = min((job.progress.get(r, 0) for r in range(ws)), default=0)
+        fingerprint = None
+        if job.verdict is not None:
+            message = f"failed: {job.verdict}"
+        elif job.primary is not None:
+            message = f"failed: {describe(job.primary)}"
+            if job.reason not in (None, "fault"):
+                message += f"; not recovered: {job.reason}"
+        else:
+            message = f"failed: {job.reason}"
+    faults = [dataclasses.asdict(f) for f in job.faults]
+    return {
+        "job_id": job.spec.job_id,
+        "status": job.state.value,
+        "exit_code": exit_code,
+        "unfired_faults": never,
+        "message": message,
+        "world_size": ws,
+        "nnodes": job.spec.nnodes,
+        "nproc_per_node": job.spec.nproc_per_node,
+        "steps": steps,
+        "final_params_sha256": fingerprint,
+        "generation": job.generation,
+        "faults": [f for f in faults if not f["secondary"]],
+        "secondary_faults": [f for f in faults if f["secondary"]],
+        "recoveries": [_with_checks(job, r) for r in job.recoveries],
+        "migrations": job.migrations,
+        "worker_pids": {str(r): pids for r, pids in sorted(job.worker_pids.items())},
+        "coordinator_pid": os.getpid(),
+        "agent_pids": {str(n): p for n, p in sorted(job.agent_pids.items())},
+        "spare_nodes": job.spec.spare_nodes,
+        "lost_nodes": job.lost_nodes,
+        "worker_nodes": {str(r): m.node for r, m in sorted(job.members.items())},
+        "agent_netns": {str(n): i for n, i in sorted(job.agent_netns.items())},
+        "stop_s": round(job.stop_s or 0.0, 4) if not completed else None,
+        "duration_s": round(now - job.started, 3),
+    }

@@ -1,0 +1,162 @@
+"""The job's spec: what ``xmig run`` was asked to run, and every default of it.
+
+One frozen value, validated once when it is made, shared by every process of a job: the
+launcher builds it from the command line, the coordinator gets it as JSON on its stdin, each
+agent from the coordinator (``agent_hello``'s reply), each worker through the environment its
+agent builds from it (``xmig.jobenv.WorkerEnv.for_rank``). Nothing changes it in place: a
+changed spec is a new one (``dataclasses.replace``, which validates it again).
+
+The defaults below are the only ones: the command line's options, the worker's environment and
+the agent read them from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from xmig.faults.spec import FaultSpec
+
+DEFAULT_NNODES = 1
+DEFAULT_NPROC_PER_NODE = 1
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 0  # 0: the coordinator picks a free port
+DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
+DEFAULT_STOP_GRACE_S = 3.0
+DEFAULT_AGENT_CONNECT_TIMEOUT_S = 60.0
+DEFAULT_KEEP_LOG = True
+DEFAULT_RECOVERY_TIMEOUT_S = 120.0
+DEFAULT_MAX_RECOVERIES = 10
+DEFAULT_HOT_SPARES = 1
+DEFAULT_SPARE_NODES = 0
+DEFAULT_SIMULATE_HOSTS = False
+DEFAULT_LOG_LEVEL = "INFO"
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""The levels ``--log-level`` takes, most detailed first."""
+
+MAX_PORT = 65535
+
+# in the JSON form beside the fields: derived, so ignored when read back
+_DERIVED = ("world_size",)
+
+
+class JobSpecError(ValueError):
+    """A job spec that cannot run; the message names the ``xmig run`` option at fault."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the coordinator, the agents and the workers need to run a job.
+
+    ``args`` and ``faults`` are tuples (``faults``: the ``FaultSpec.to_json()`` dicts of the
+    faults to inject); lists given for them are made tuples.
+    """
+
+    job_id: str
+    script: str
+    args: tuple[str, ...]
+    cwd: str
+    nnodes: int = DEFAULT_NNODES
+    nproc_per_node: int = DEFAULT_NPROC_PER_NODE
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    faults: tuple[dict[str, Any], ...] = ()
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    stop_grace: float = DEFAULT_STOP_GRACE_S
+    agent_connect_timeout: float = DEFAULT_AGENT_CONNECT_TIMEOUT_S
+    keep_log: bool = DEFAULT_KEEP_LOG
+    recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    hot_spares: int = DEFAULT_HOT_SPARES
+    spare_nodes: int = DEFAULT_SPARE_NODES
+    simulate_hosts: bool = DEFAULT_SIMULATE_HOSTS
+    log_level: str = DEFAULT_LOG_LEVEL
+
+    def __post_init__(self) -> None:
+        # frozen: the one place that may still set a field
+        object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "faults", tuple(self.faults))
+        self._validate()
+
+    def _validate(self) -> None:
+        """The checks ``xmig run`` makes of its options, in the order it makes them."""
+        if self.nnodes < 1:
+            raise JobSpecError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if self.nproc_per_node < 1:
+            raise JobSpecError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if not 0 <= self.master_port <= MAX_PORT:
+            raise JobSpecError(f"--master-port must be 0..{MAX_PORT}, got {self.master_port}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise JobSpecError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+        if self.stop_grace < 0:
+            raise JobSpecError("--stop-grace must not be negative")
+        if self.recovery_timeout <= 0:
+            raise JobSpecError("--recovery-timeout must be positive")
+        if self.max_recoveries < 0:
+            raise JobSpecError("--max-recoveries must not be negative")
+        if self.hot_spares < 0:
+            raise JobSpecError("--hot-spares must not be negative")
+        if self.spare_nodes < 0:
+            raise JobSpecError("--spare-nodes must not be negative")
+        if self.agent_connect_timeout <= 0:
+            raise JobSpecError("the agents' connect timeout must be positive")
+        if self.log_level not in LOG_LEVELS:
+            raise JobSpecError(
+                f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        for data in self.faults:
+            self._check_fault(data)
+
+    def _check_fault(self, data: dict[str, Any]) -> None:
+        try:
+            fault = FaultSpec.from_json(data)
+        except TypeError as exc:
+            raise JobSpecError(f"bad --inject: not a fault: {data!r} ({exc})") from None
+        if fault.rank >= self.world_size:
+            raise JobSpecError(
+                f"bad --inject: rank {fault.rank} does not exist in {str(fault)!r} "
+                f"(world size {self.world_size})"
+            )
+        if fault.to is not None and fault.to >= self.all_nodes:
+            raise JobSpecError(
+                f"bad --inject: node {fault.to} does not exist in {fault} "
+                f"(nodes 0..{self.all_nodes - 1})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def all_nodes(self) -> int:
+        """Nodes with workers plus the spare ones."""
+        return self.nnodes + self.spare_nodes
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["args"] = list(self.args)
+        data["faults"] = [dict(f) for f in self.faults]
+        data["world_size"] = self.world_size
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobSpec:
+        """The spec ``to_json`` wrote; JobSpecError for unknown or missing fields."""
+        data = {k: v for k, v in data.items() if k not in _DERIVED}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise JobSpecError(f"unknown job spec field(s): {', '.join(unknown)}")
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = sorted(required - set(data))
+        if missing:
+            raise JobSpecError(f"missing job spec field(s): {', '.join(missing)}")
+        return cls(**data)

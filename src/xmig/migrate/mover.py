@@ -1,0 +1,127 @@
+"""Moving one process: checkpoint it on the node it leaves, restore it on the node it goes to.
+
+:class:`ProcessMover` is what an agent uses: GPU memory into host memory (the CUDA checkpoint
+API, ``cuda``), then the process tree into images (CRIU, ``criu``); on the other node the
+rank's own network interface taken over (``netif``), the tree restored with its PID, then its
+GPU memory put back onto this node's GPU. Whatever fails is one :class:`MigrationError`.
+Getting the images from one node to the other (``stream``) is the caller's business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xmig.migrate import criu, cuda, netif
+
+
+class MigrationError(RuntimeError):
+    """Checkpointing or restoring a process failed (CRIU, the CUDA checkpoint API or the
+    rank's network interface); the message is the underlying error's."""
+
+
+@contextlib.contextmanager
+def _as_migration_error() -> Iterator[None]:
+    try:
+        yield
+    except (criu.CriuError, cuda.GpuCheckpointError, netif.InterfaceError) as exc:
+        raise MigrationError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """What a checkpoint took (seconds) and what it left."""
+
+    dump_s: float  # CRIU's dump
+    image_bytes: int  # the images' size
+    gpu_checkpoint_s: float = 0.0  # the GPU memory into host memory (lock and checkpoint)
+    gpu_times: dict[str, float] = field(default_factory=dict)  # each checkpoint API call's
+    gpus_before: list[str] = field(default_factory=list)  # every GPU of the machine it left
+    gpu_bytes: int = 0  # the GPU memory it held
+    # its own network interface, for the target node to take: name, address, netns
+    interface: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What a restore took (seconds) and where the GPU state went."""
+
+    restore_s: float  # the interface taken over and CRIU's restore
+    gpu_restore_s: float = 0.0  # the GPU memory put back and the process unlocked
+    gpu_times: dict[str, float] = field(default_factory=dict)
+    to_gpu: str | None = None  # the UUID of the GPU it now holds its state on
+
+
+class ProcessMover:
+    """Checkpoints and restores one process tree (as root, with CRIU >= 4.2). Its TCP
+    connections are closed by the dump: the process reconnects after the restore."""
+
+    def checkpoint(
+        self,
+        pid: int,
+        images_dir: str | os.PathLike[str],
+        gpu_uuid: str | None = None,
+        *,
+        gpu_bytes: int = 0,
+        interface: str | None = None,
+    ) -> CheckpointResult:
+        """Checkpoint process ``pid`` (CRIU ends it) into ``images_dir``. ``gpu_uuid``: the GPU
+        it holds state on, checkpointed first (``gpu_bytes``: what it said it holds there, where
+        NVML cannot tell). ``interface``: the name of its own network interface, reported
+        when this node has it."""
+        gpu_s, gpu_times, gpus_before = 0.0, {}, []
+        with _as_migration_error():
+            if gpu_uuid is not None:  # its GPU memory goes into its host memory first
+                held = cuda.process_gpu_bytes(pid, gpu_uuid)
+                if held is not None:  # its own share (the worker said what its GPU holds)
+                    gpu_bytes = held
+                gpus_before = cuda.machine_gpus()
+                gpu = cuda.GpuCheckpoint(pid)
+                gpu_s, gpu_times = gpu.save(), gpu.times
+            started = time.monotonic()
+            criu.dump(pid, images_dir, tcp_close=True)
+        took = time.monotonic() - started
+        found = None
+        if interface is not None and netif.exists(interface):  # the target node takes it
+            with contextlib.suppress(netif.InterfaceError):
+                found = {"name": interface, "address": netif.address_of(interface),
+                         "netns": os.environ.get(netif.NETNS_ENV)}  # fmt: skip
+        size = sum(f.stat().st_size for f in Path(images_dir).iterdir() if f.is_file())
+        return CheckpointResult(dump_s=took, image_bytes=size, gpu_checkpoint_s=gpu_s,
+                                gpu_times=gpu_times, gpus_before=gpus_before,
+                                gpu_bytes=gpu_bytes, interface=found)  # fmt: skip
+
+    def restore(
+        self,
+        images_dir: str | os.PathLike[str],
+        pid: int,
+        local_rank: int,
+        gpu: str | None = None,
+        gpus_before: Sequence[str] = (),
+        interface: Mapping[str, Any] | None = None,
+        inherit_fds: Mapping[int, str] | None = None,
+    ) -> RestoreResult:
+        """Restore the process ``pid`` dumped into ``images_dir`` here; the restored tree goes
+        to the nearest subreaper. ``interface``: its network interface (a checkpoint's), taken
+        into this namespace first. ``gpu``: the GPU it held state on, restored onto this node's
+        GPU for ``local_rank`` (``gpus_before``: every GPU of the machine it left).
+        ``inherit_fds``: as ``criu.restore``'s (they stay the caller's to close)."""
+        gpu_s, gpu_times, target = 0.0, {}, None
+        started = time.monotonic()
+        with _as_migration_error():
+            if interface:
+                netif.take(interface["name"], interface["address"], interface["netns"])
+            criu.restore(images_dir, tcp_close=True, inherit_fds=inherit_fds)
+            took = time.monotonic() - started
+            if gpu is not None:  # onto this node's GPU for its local rank
+                target = cuda.device_uuid(local_rank)
+                pairs = cuda.restore_pairs(gpu, target, list(gpus_before), cuda.machine_gpus())
+                checkpoint = cuda.GpuCheckpoint(pid)
+                gpu_s, gpu_times = checkpoint.load(pairs), checkpoint.times
+        return RestoreResult(restore_s=took, gpu_restore_s=gpu_s, gpu_times=gpu_times,
+                             to_gpu=target)  # fmt: skip

@@ -1,0 +1,756 @@
+"""Every message between xmig's processes, in one catalogue.
+
+A message is a frozen dataclass registered with its ``op`` (its name on the wire), who may
+send it and who receives it. On the wire (``xmig.wire``: authenticated, length-prefixed JSON
+frames) a message is ``{"op": ..., **fields}``; ``decode`` turns a frame back into its class,
+checking every field's type, and raises ``ProtocolError`` (never anything else) for a frame it
+does not know: an unknown op, a wrong direction, a missing, extra or mistyped field. Every
+receiver rejects and logs what does not decode.
+
+Messages relayed by an agent: a worker's reports to the coordinator (the agent adds the rank,
+known from the worker's authenticated connection) and the coordinator's orders to workers
+(``relay`` says to which of the node's workers: all of them, or the rank the order names).
+
+The channels between processes, all of them:
+- control connections (``xmig.wire``), launcher/CLI → coordinator, agent → coordinator,
+  worker → its node's agent: the messages below, authenticated with the job's token;
+- the environment a worker starts with (``xmig.jobenv.WorkerEnv``: torchrun's variables and
+  ``XMIG_*``), the launcher's to the coordinator and agents (``XMIG_TOKEN``, ``XMIG_JOB_ID``);
+- the job spec, as JSON: on the coordinator's stdin at start, and in the reply to
+  ``agent_hello``; the coordinator's first stdout line (its address and store port);
+- a hot spare's start line on its stdin (``xmig.agent.spare``: environment, script, args)
+  and the one byte it writes to ``XMIG_SPARE_READY_FD`` when warm;
+- a migrated worker's rejoin file (``Dump.rejoin_file``, written by the target agent: its
+  address, node and PID), and the CRIU images, in a shared folder or streamed between agents
+  (``xmig.migrate.stream``, token-authenticated);
+- the job's c10d store (hosted by the coordinator), used only to build communicators, under
+  the prefix ``xmig.ccl.store_namespace(token)``; the state pulled over a pair communicator
+  is checked against the digest its sender announced here (``StateSent``/``StateAnnounced``);
+- the job file (``~/.xmig/jobs/ID.json``, owner-only: coordinator address and token) that
+  ``xmig status|inject|migrate|stop`` read, and the job's folder (its event log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class Party(enum.Enum):
+    """Who sends or receives a message."""
+
+    LAUNCHER = "launcher"  # ``xmig run`` and the other commands of the CLI
+    COORDINATOR = "coordinator"
+    AGENT = "agent"
+    WORKER = "worker"
+
+
+class Relay(enum.Enum):
+    """To which of its workers an agent hands a coordinator's order."""
+
+    ALL = "all"
+    RANK = "rank"
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a message this receiver knows."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; subclasses are registered with ``@message``."""
+
+    OP: ClassVar[str]
+    SENDERS: ClassVar[frozenset[Party]]
+    RECEIVER: ClassVar[Party]
+    REQUEST: ClassVar[bool]  # the sender waits for a reply
+    RELAY: ClassVar[Relay | None]  # a coordinator's order an agent hands to workers
+    FORWARD: ClassVar[bool]  # a worker's report an agent hands to the coordinator
+
+
+CATALOGUE: dict[str, type[Message]] = {}
+
+L, C, A, W = Party.LAUNCHER, Party.COORDINATOR, Party.AGENT, Party.WORKER
+
+
+def message(
+    op: str,
+    sender: Party | tuple[Party, ...],
+    receiver: Party,
+    *,
+    request: bool = False,
+    relay: Relay | None = None,
+    forward: bool = False,
+) -> Any:
+    """Register a message class under ``op`` with its direction."""
+
+    def register(cls: type[Message]) -> type[Message]:
+        if op in CATALOGUE:
+            raise ValueError(f"two messages named {op!r}")
+        cls.OP = op
+        cls.SENDERS = frozenset(sender if isinstance(sender, tuple) else (sender,))
+        cls.RECEIVER = receiver
+        cls.REQUEST = request
+        cls.RELAY = relay
+        cls.FORWARD = forward
+        CATALOGUE[op] = cls
+        return cls
+
+    return register
+
+
+# ---- records carried inside messages -------------------------------------------------------
+@dataclass(frozen=True)
+class FaultRecord:
+    """A fault as detected: which rank, how, when, and whether it was injected."""
+
+    rank: int
+    node: int
+    pid: int
+    attempt: int
+    kind: str  # signal, exit, hang, error, comm_error, agent_lost
+    detail: str
+    step: int | None
+    t_fault: float
+    t_detected: float
+    fault_time_source: str  # injection, last_heartbeat or detection
+    detected_after_s: float
+    injected: dict[str, Any] | None = None
+    generation: int | None = None  # the communicator generation a comm_error was seen in
+    ranks: list[int] | None = None  # every rank lost with a node
+    secondary: bool = False  # a consequence of another fault, not a cause
+
+    @property
+    def lost_ranks(self) -> list[int]:
+        return list(self.ranks) if self.ranks else [self.rank]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a parked survivor stands, for the coordinator's choice of step, source, mode."""
+
+    step: int | None
+    state_step: int | None  # the step whose start its state is
+    log_from: int | None  # the first step it still holds the log of
+    keep_log: bool
+    signatures: dict[str, list[str]]  # step -> its logged ops' signatures
+    pending: int = 0
+    optimizer_waiting: bool = False
+    ddp_layout: str | None = None  # digest of DDP's bucket layout
+    ddp_layout_source: str = "root"  # how it came by it (xmig.state.ddp)
+
+
+# ---- worker → agent ------------------------------------------------------------------------
+@message("hello", W, A, request=True)
+@dataclass(frozen=True)
+class Hello(Message):
+    rank: int
+    pid: int
+    attempt: int
+
+
+@message("hb", W, A)
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    step: int | None
+    t: float
+
+
+@message("step", W, A)
+@dataclass(frozen=True)
+class StepStarted(Message):
+    step: int
+    t: float
+
+
+@message("injecting", W, A, request=True)
+@dataclass(frozen=True)
+class Injecting(Message):
+    """An injected fault is about to happen (its time is the fault's time)."""
+
+    fault: dict[str, Any]
+    step: int | None
+    t: float
+
+
+@message("error", W, A, request=True)
+@dataclass(frozen=True)
+class WorkerError(Message):
+    """An exception is about to end the worker."""
+
+    error: str
+    step: int | None
+    t: float
+
+
+@message("comm_error", W, A)
+@dataclass(frozen=True)
+class CommError(Message):
+    """A collective failed in a live worker; its proxy holds the framework."""
+
+    error: str
+    step: int | None
+    generation: int
+    t: float
+
+
+@message("ready_for_dump", W, A, request=True)
+@dataclass(frozen=True)
+class ReadyForDump(Message):
+    gpu: str | None
+    gpu_bytes: int
+    t: float
+
+
+@message("done", W, A, request=True)
+@dataclass(frozen=True)
+class Done(Message):
+    steps: int
+    params_sha256: str | None
+    checksum: str | None
+
+
+# ---- worker → coordinator, forwarded by its agent (which sets ``rank``) ----------------------
+@message("parked", W, C, forward=True)
+@dataclass(frozen=True)
+class Parked(Message):
+    generation: int
+    position: Position
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("recovered", W, C, forward=True)
+@dataclass(frozen=True)
+class Recovered(Message):
+    generation: int
+    role: str  # survivor or replacement
+    phases: dict[str, float]
+    pull: dict[str, Any] | None
+    t_resumed: float
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("recovery_failed", W, C, forward=True)
+@dataclass(frozen=True)
+class RecoveryFailed(Message):
+    error: str
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("paused", W, C, forward=True)
+@dataclass(frozen=True)
+class Paused(Message):
+    generation: int
+    step: int
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("pause_refused", W, C, forward=True)
+@dataclass(frozen=True)
+class PauseRefused(Message):
+    """The rank has already begun the step it was to pause at: ``step`` is where it is."""
+
+    generation: int
+    step: int
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("rejoined", W, C, forward=True)
+@dataclass(frozen=True)
+class Rejoined(Message):
+    generation: int
+    netns: int
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("resumed", W, C, forward=True)
+@dataclass(frozen=True)
+class Resumed(Message):
+    generation: int
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("unreachable_faults", W, C, forward=True)
+@dataclass(frozen=True)
+class UnreachableFaults(Message):
+    total: int
+    faults: list[dict[str, Any]]
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("state_sent", W, C, forward=True)
+@dataclass(frozen=True)
+class StateSent(Message):
+    """The serving rank's digest of the state it sent to ``target``."""
+
+    generation: int
+    target: int
+    digest: str
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("verify", W, C, forward=True)
+@dataclass(frozen=True)
+class Verify(Message):
+    """A checksum of the rank's replica after a recovery (None: no replica to compare)."""
+
+    generation: int
+    step: int
+    checksum: str | None
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("not_bit_identical", W, C, forward=True)
+@dataclass(frozen=True)
+class NotBitIdentical(Message):
+    generation: int
+    why: str
+    rank: int = -1
+    t: float = 0.0
+
+
+# ---- agent → coordinator -------------------------------------------------------------------
+@message("agent_hello", A, C, request=True)
+@dataclass(frozen=True)
+class AgentHello(Message):
+    """Reply: ``{"job": JobSpec JSON, "generation": int}``."""
+
+    node: int
+    pid: int
+    netns: int | None
+
+
+@message("agent_alive", A, C)
+@dataclass(frozen=True)
+class AgentAlive(Message):
+    pass
+
+
+@message("node_dying", A, C, request=True)
+@dataclass(frozen=True)
+class NodeDying(Message):
+    """An injected node loss: the node's processes die right after the reply."""
+
+    node: int
+    fault: dict[str, Any]
+    t: float
+
+
+@message("worker_started", A, C)
+@dataclass(frozen=True)
+class WorkerStarted(Message):
+    rank: int
+    node: int
+    pid: int
+    attempt: int
+    t: float
+    from_spare: bool
+
+
+@message("worker_joined", A, C)
+@dataclass(frozen=True)
+class WorkerJoined(Message):
+    """The worker connected to its agent (``xmig.init()``)."""
+
+    rank: int
+    pid: int
+    attempt: int
+    t: float
+
+
+@message("spares", A, C)
+@dataclass(frozen=True)
+class Spares(Message):
+    node: int
+    ready: int
+
+
+@message("progress", A, C)
+@dataclass(frozen=True)
+class Progress(Message):
+    rank: int
+    step: int
+
+
+@message("worker_done", A, C)
+@dataclass(frozen=True)
+class WorkerDone(Message):
+    rank: int
+    steps: int
+    params_sha256: str | None
+    checksum: str | None
+
+
+@message("criu", A, C)
+@dataclass(frozen=True)
+class CriuStatus(Message):
+    node: int
+    usable: bool
+    detail: str
+    gpus: list[str]
+
+
+@message("worker_exited", A, C)
+@dataclass(frozen=True)
+class WorkerExited(Message):
+    """The worker exited with code 0 (a failure is a ``Fault``)."""
+
+    rank: int
+    pid: int
+    t: float
+
+
+@message("fault", A, C)
+@dataclass(frozen=True)
+class Fault(Message):
+    record: FaultRecord
+
+
+@message("stopped", A, C)
+@dataclass(frozen=True)
+class Stopped(Message):
+    """Every worker of the node has been stopped and reaped."""
+
+    node: int
+
+
+@message("dumped", A, C)
+@dataclass(frozen=True)
+class Dumped(Message):
+    rank: int
+    node: int
+    generation: int
+    ok: bool
+    error: str | None = None
+    pid: int | None = None
+    dump_s: float = 0.0
+    image_bytes: int = 0
+    fds: dict[str, str] = field(default_factory=dict)
+    gpu: str | None = None
+    gpu_bytes: int = 0
+    gpu_checkpoint_s: float = 0.0
+    gpu_times: dict[str, float] = field(default_factory=dict)
+    gpus_before: list[str] = field(default_factory=list)
+    interface: dict[str, Any] | None = None
+    serve: list[Any] | None = None  # where the target agent fetches the images
+
+
+@message("restored", A, C)
+@dataclass(frozen=True)
+class Restored(Message):
+    rank: int
+    node: int
+    generation: int
+    ok: bool
+    error: str | None = None
+    pid: int | None = None
+    restore_s: float = 0.0
+    gpu_restore_s: float = 0.0
+    transfer_s: float = 0.0
+    gpu_times: dict[str, float] = field(default_factory=dict)
+    to_gpu: str | None = None
+
+
+# ---- launcher / CLI → coordinator ----------------------------------------------------------
+@message("wait_result", L, C, request=True)
+@dataclass(frozen=True)
+class WaitResult(Message):
+    """Subscribe to the job's outcome (a ``Result`` push)."""
+
+
+@message("stop", L, C, request=True)
+@dataclass(frozen=True)
+class StopJob(Message):
+    """Reply: ``{"stopping": bool}`` (False: the job was already ending)."""
+
+    reason: str = "stopped by request"
+
+
+@message("status", L, C, request=True)
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    """Reply: ``{"status": {...}}``."""
+
+
+@message("inject", L, C, request=True)
+@dataclass(frozen=True)
+class InjectRequest(Message):
+    """Reply: ``{"fault": str}``, or refused with why."""
+
+    spec: str
+
+
+@message("migrate", L, C, request=True)
+@dataclass(frozen=True)
+class MigrateRequest(Message):
+    """Reply: ``{"migration": str}``, or refused with why."""
+
+    rank: int
+    to: int | None = None
+
+
+# ---- coordinator → launcher ----------------------------------------------------------------
+@message("result", C, L)
+@dataclass(frozen=True)
+class Result(Message):
+    summary: dict[str, Any]
+
+
+# ---- coordinator → agents ------------------------------------------------------------------
+@message("respawn", C, A)
+@dataclass(frozen=True)
+class Respawn(Message):
+    rank: int
+    generation: int
+    local_rank: int
+    attempt: int
+    fired: list[dict[str, Any]]  # injected faults already carried out: not to fire again
+
+
+@message("restore", C, A)
+@dataclass(frozen=True)
+class Restore(Message):
+    generation: int
+    rank: int
+    pid: int
+    images: str
+    rejoin_file: str
+    fetch: list[Any] | None
+    local_rank: int
+    attempt: int
+    fds: dict[str, str]
+    gpu: str | None
+    gpus_before: list[str]
+    interface: dict[str, Any] | None
+
+
+@message("stop_workers", C, A)
+@dataclass(frozen=True)
+class StopWorkers(Message):
+    grace: float
+
+
+@message("shutdown", C, A)
+@dataclass(frozen=True)
+class Shutdown(Message):
+    pass
+
+
+# ---- coordinator → workers, through their agents --------------------------------------------
+@message("park", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class Park(Message):
+    generation: int
+    replaced: list[int]
+
+
+@message("rebuild", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class Rebuild(Message):
+    """The recovery plan: resume at ``step`` by ``mode`` (replay or rollback), the state
+    served by ``source`` to the ranks in ``pulls``."""
+
+    generation: int
+    mode: str
+    step: int
+    source: int
+    pulls: list[int]
+    why: str | None = None  # why not a replay
+    verify_ready_order: bool = False
+
+
+@message("abort", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class Abort(Message):
+    reason: str
+
+
+@message("pause", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class Pause(Message):
+    generation: int
+    step: int
+
+
+@message("dump", C, A, relay=Relay.RANK)
+@dataclass(frozen=True)
+class Dump(Message):
+    generation: int
+    rank: int
+    images: str
+    rejoin_file: str
+    serve: bool
+
+
+@message("resume", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class Resume(Message):
+    generation: int
+
+
+@message("release", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class Release(Message):
+    """Every rank has finished: a finished rank may exit."""
+
+
+@message("state_digest", C, A, relay=Relay.ALL)
+@dataclass(frozen=True)
+class StateAnnounced(Message):
+    """To the rank that received state: the digest its sender announced."""
+
+    generation: int
+    rank: int
+    source: int
+    digest: str
+
+
+@message("inject_fault", C, A, relay=Relay.RANK)
+@dataclass(frozen=True)
+class InjectFault(Message):
+    fault: dict[str, Any]
+
+    @property
+    def rank(self) -> int:
+        return int(self.fault["rank"])
+
+
+# ---- encoding and decoding -----------------------------------------------------------------
+def encode(msg: Message) -> dict[str, Any]:
+    """The wire form of ``msg``."""
+    return {"op": msg.OP, **fields_of(msg)}
+
+
+def fields_of(msg: Message) -> dict[str, Any]:
+    return {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+def decode(frame: dict[str, Any], receiver: Party, sender: Party | None = None) -> Message:
+    """The message a frame carries, for ``receiver`` (from ``sender`` when known)."""
+    if not isinstance(frame, dict):
+        raise ProtocolError(f"a message is a JSON object, not {type(frame).__name__}")
+    op = frame.get("op")
+    cls = CATALOGUE.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message {str(op)[:40]!r}")
+    hop = (
+        receiver == cls.RECEIVER
+        or (
+            receiver is Party.AGENT and cls.FORWARD  # a worker's report on its way
+        )
+        or (receiver is Party.WORKER and cls.RELAY is not None)
+    )  # an order handed on
+    if not hop:
+        raise ProtocolError(f"{op!r} is not a message for the {receiver.value}")
+    relayed = cls.RELAY is not None or cls.FORWARD  # handed on by an agent
+    if sender is not None and sender not in cls.SENDERS and not (sender is Party.AGENT and relayed):
+        raise ProtocolError(f"{op!r} cannot come from the {sender.value}")
+    body = {k: v for k, v in frame.items() if k not in ("op", "id")}
+    return _build(cls, body, op)
+
+
+def _build(cls: type, body: Any, where: str) -> Any:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected an object")
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    extra = sorted(set(body) - set(known))
+    if extra:
+        raise ProtocolError(f"{where}: unknown field {str(extra[0])[:40]!r}")
+    values = {}
+    for name, f in known.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}: field {name!r} is missing")
+            continue
+        values[name] = _check(hints[name], body[name], f"{where}.{name}")
+    return cls(**values)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    """``value`` if it has the type ``hint`` names (JSON's types), else ProtocolError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check(option, value, where)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{where}: {type(value).__name__} is not {hint}")
+    if hint is Any:
+        return value
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    elif origin is list or hint is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(hint) or (Any,)
+            return [_check(item, v, f"{where}[]") for v in value]
+    elif origin is dict or hint is dict:
+        if isinstance(value, dict):
+            key, item = typing.get_args(hint) or (str, Any)
+            return {_check(key, k, where): _check(item, v, f"{where}.") for k, v in value.items()}
+    else:  # pragma: no cover - a hint this decoder was not taught
+        raise TypeError(f"{where}: cannot check {hint}")
+    raise ProtocolError(f"{where}: {type(value).__name__} is not {getattr(hint, '__name__', hint)}")
+
+
+def for_receiver(receiver: Party) -> list[type[Message]]:
+    """The messages ``receiver`` handles itself."""
+    return [cls for cls in CATALOGUE.values() if cls.RECEIVER is receiver]
+
+
+__all__ = [
+    "CATALOGUE",
+    "FaultRecord",
+    "Message",
+    "Party",
+    "Position",
+    "ProtocolError",
+    "Relay",
+    "decode",
+    "encode",
+]

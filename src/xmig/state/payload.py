@@ -1,0 +1,138 @@
+"""What the serving survivor sends a rank that pulls its state, as one typed value.
+
+It travels through ``state.transfer`` as plain containers (the receiver's restricted unpickler
+builds nothing else): ``to_wire`` before ``send_state``, ``from_wire`` after ``recv_state``,
+which also checks the structure a peer sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MODES = ("replay", "rollback")
+
+
+class PayloadError(ValueError):
+    """What a peer sent is not a replacement payload."""
+
+
+@dataclass
+class DdpPayload:
+    """DDP's bucket layout as the survivors have it (see ``state.ddp``).
+
+    ``layout``: the two payloads of DDP's layout broadcasts, when the survivors took them in an
+    earlier step; ``in_step``: the ones of the resumed step, from op ``in_step_index`` on, when
+    they rebuild in it; ``ready_order``: the server's first gradient order, which the receiver
+    must find its own equal to when ``verify_ready_order``.
+    """
+
+    layout: list[torch.Tensor] | None = None
+    in_step: list[torch.Tensor] | None = None
+    in_step_index: int = 0
+    ready_order: list[int] | None = None
+    verify_ready_order: bool = False
+
+
+@dataclass
+class ReplacementPayload:
+    """The state of the step a recovery resumes at, and how to resume it."""
+
+    step: int
+    mode: str  # replay or rollback
+    first_step: int | None
+    state: dict[str, Any]  # registered name -> its state_dict()
+    ddp: DdpPayload = field(default_factory=DdpPayload)
+    signatures: list[str] | None = None  # the step's ops as the survivors logged them (replay)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain containers for ``send_state`` (no copy of the tensors)."""
+        ddp = self.ddp
+        return {
+            "step": self.step,
+            "mode": self.mode,
+            "first_step": self.first_step,
+            "state": self.state,
+            "ddp": {
+                "layout": ddp.layout,
+                "in_step": ddp.in_step,
+                "in_step_index": ddp.in_step_index,
+                "ready_order": ddp.ready_order,
+                "verify_ready_order": ddp.verify_ready_order,
+            },
+            "signatures": self.signatures,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any) -> ReplacementPayload:
+        """The payload ``to_wire`` made, checked; PayloadError if it is not one."""
+        body = _object(data, "payload", ("step", "mode", "first_step", "state", "ddp",
+                                         "signatures"))  # fmt: skip
+        ddp = _object(body["ddp"], "ddp", ("layout", "in_step", "in_step_index",
+                                           "ready_order", "verify_ready_order"))  # fmt: skip
+        mode = body["mode"]
+        if mode not in MODES:
+            raise PayloadError(f"unknown mode {str(mode)[:20]!r}")
+        if not isinstance(body["state"], dict):
+            raise PayloadError("state is not a mapping")
+        return cls(
+            step=_int(body["step"], "step"),
+            mode=mode,
+            first_step=_int(body["first_step"], "first_step", optional=True),
+            state=body["state"],
+            ddp=DdpPayload(
+                layout=_tensors(ddp["layout"], "ddp.layout"),
+                in_step=_tensors(ddp["in_step"], "ddp.in_step"),
+                in_step_index=_int(ddp["in_step_index"], "ddp.in_step_index"),
+                ready_order=_ints(ddp["ready_order"], "ddp.ready_order"),
+                verify_ready_order=_bool(ddp["verify_ready_order"], "ddp.verify_ready_order"),
+            ),
+            signatures=_strings(body["signatures"], "signatures"),
+        )
+
+
+def _object(value: Any, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) != set(keys):
+        raise PayloadError(f"{where} does not have the fields {', '.join(keys)}")
+    return value
+
+
+def _int(value: Any, where: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PayloadError(f"{where} is not an integer")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PayloadError(f"{where} is not a boolean")
+    return value
+
+
+def _tensors(value: Any, where: str) -> list[torch.Tensor] | None:
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value)
+    ):
+        raise PayloadError(f"{where} is not a list of tensors")
+    return value
+
+
+def _ints(value: Any, where: str) -> list[int] | None:
+    if value is not None:
+        if not isinstance(value, list):
+            raise PayloadError(f"{where} is not a list of integers")
+        for item in value:
+            _int(item, where)
+    return value
+
+
+def _strings(value: Any, where: str) -> list[str] | None:
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(s, str) for s in value)
+    ):
+        raise PayloadError(f"{where} is not a list of strings")
+    return value

@@ -1,0 +1,18 @@
+"""The worker side of xmig, by role: what ``xmig.session`` runs inside a training process.
+
+- ``context``: what the parts share (environment, process group, link, position, state lock)
+- ``phase``: the worker's phases and the one table of transitions between them
+- ``backend``: the ``xmig`` c10d backend, the job's store and the communicators built on it
+- ``registry``: the objects a script registers (the state a replacement pulls)
+- ``hooks``: fault-injection hooks, and the optimizer's update under the state lock
+- ``loop``: the step loop behind ``session.steps()``
+- ``orders``: the one consumer of the coordinator's orders
+- ``trouble``: a failed collective, sticky CUDA errors, the watchdog
+- ``survivor``: a survivor's recovery (park, position, rebuild, serve, replay or roll back)
+- ``replacement``: a replacement's join (receive, check, load, match DDP)
+- ``pull``: state served and received over a pair communicator, checked against its digest
+- ``layout``: DDP's bucket layout as this rank knows it
+- ``verify``: the replicas' checksum after a recovery
+- ``migration``: pause at a boundary, be moved, rejoin
+- ``errors``: the worker's exceptions and its immediate exit
+"""

@@ -1,0 +1,94 @@
+"""What the worker's parts share: its environment, process group, link, state and position."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from xmig import protocol
+from xmig.agent.link import AgentLink
+from xmig.faults import FaultSpec, Injector
+from xmig.jobenv import WorkerEnv
+from xmig.proxy import ProxyProcessGroup
+from xmig.worker.backend import Comms, device_of
+from xmig.worker.errors import exit_now
+from xmig.worker.orders import Orders
+from xmig.worker.phase import Phase
+from xmig.worker.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+STATE_LOCK_TIMEOUT_S = 60.0
+
+
+class WorkerContext:
+    """One worker's shared parts. The step loop writes the position (``step``,
+    ``optimizer_stepped``...) under ``state_lock``; a recovery reads it under the same lock."""
+
+    proxy: ProxyProcessGroup  # set once the process group exists
+    orders: Orders  # set once the parts that handle them exist
+
+    def __init__(self, env: WorkerEnv, seed: int, backend: str, timeout: timedelta) -> None:
+        self.env = env
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.seed = seed
+        self.backend = backend
+        self.timeout = timeout
+        self.device = device_of(backend, env.local_rank)
+        self.comms = Comms(env, backend, timeout)
+        self.registry = Registry()
+        # the parts load and read the state through the Session (a script may wrap it)
+        self.load_state: Callable[[dict[str, Any]], None] = self.registry.load_state
+        self.state_dict: Callable[[], dict[str, Any]] = self.registry.state_dict
+        self.phase = Phase()
+        # held while the optimizer steps and while a recovery reads or replaces the state
+        self.state_lock = threading.Lock()
+        self.step: int | None = None
+        self.first_step: int | None = None
+        self.total: int | None = None
+        self.completed_steps = 0
+        self.optimizer_stepped = False
+        self.optimizer_waiting = False
+        self.finished = False  # the loop is done: the rank stays to serve peers until released
+        self.recoveries_started = 0
+        self.injector = Injector(env.rank, self._announce, current_step=lambda: self.step)
+        for fault in env.faults:
+            self.injector.add(fault)
+        self.link: AgentLink | None = None
+
+    @property
+    def state_step(self) -> int | None:
+        """The step whose start this rank's state is."""
+        if self.step is None:
+            return None
+        return self.step + 1 if self.optimizer_stepped else self.step
+
+    def connect(self, env: WorkerEnv | None = None) -> None:
+        """Connect to this node's agent (again, after a move: ``env`` says where)."""
+        if env is not None:
+            self.env = env
+        self.link = AgentLink(self.env, on_inject=self.injector.add, on_order=self.orders.put)
+
+    def send(self, msg: protocol.Message) -> None:
+        """A report to the agent or the coordinator; nothing without an agent."""
+        if self.link is not None:
+            self.link.send(msg)
+
+    def _announce(self, spec: FaultSpec) -> None:
+        if self.link is not None:
+            step = self.link.step
+            self.link.ask(protocol.Injecting(fault=spec.to_json(), step=step, t=time.time()),
+                          timeout=5.0)  # fmt: skip
+        logger.info("rank %d injecting fault %s", self.rank, spec)
+
+    def die(self, text: str) -> NoReturn:
+        """Stop this worker: the coordinator hears why (and stops the job)."""
+        logger.error("rank %d: %s", self.rank, text)
+        self.send(protocol.RecoveryFailed(error=text, t=time.time()))
+        time.sleep(0.2)
+        exit_now(1)

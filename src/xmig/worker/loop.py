@@ -1,0 +1,119 @@
+"""The step loop behind ``session.steps()``: its boundaries and its end."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from xmig import protocol
+from xmig.state import params_sha256, reseed
+from xmig.worker.context import WorkerContext
+from xmig.worker.errors import RecoveryFailed, XmigError
+from xmig.worker.hooks import OptimizerGate, install_hooks
+from xmig.worker.layout import DdpLayout
+from xmig.worker.migration import Migration
+from xmig.worker.phase import WorkerPhase
+from xmig.worker.replacement import Replacement
+from xmig.worker.survivor import Survivor
+from xmig.worker.verify import Verifier
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        gate: OptimizerGate,
+        layout: DdpLayout,
+        verifier: Verifier,
+        survivor: Survivor,
+        migration: Migration,
+        replacement: Replacement | None,
+    ) -> None:
+        self._ctx = ctx
+        self._gate = gate
+        self._layout = layout
+        self._verifier = verifier
+        self._survivor = survivor
+        self._migration = migration
+        self._replacement = replacement
+
+    def _enter(self, phase: WorkerPhase) -> None:
+        # under the state lock: a recovery that parked this rank holds it until it is done
+        with self._ctx.state_lock:
+            self._ctx.phase.move(phase)
+
+    def run(self, total: int, start: int) -> Iterator[int]:
+        ctx = self._ctx
+        if total < 0 or start < 0 or start > total:
+            raise XmigError(f"bad step range: start={start}, total={total}")
+        ctx.total = total
+        ctx.registry.find_ddp()
+        hooks = install_hooks(ctx, self._gate)
+        unreachable = ctx.injector.unreachable(total)
+        if unreachable:
+            faults = [spec.to_json() for spec in unreachable]
+            ctx.send(protocol.UnreachableFaults(total=total, faults=faults, t=time.time()))
+        step = start
+        if self._replacement is not None:
+            self._enter(WorkerPhase.JOINING)
+            try:
+                step = self._replacement.join()
+            except RecoveryFailed as exc:  # the coordinator hears why, and stops the job
+                ctx.die(f"recovery failed: {exc}")
+        self._enter(WorkerPhase.TRAINING)
+        if ctx.first_step is None:
+            ctx.first_step = start
+        self._layout.watch_first_iteration(step, total)
+        try:
+            while step < total:
+                self._verifier.at_boundary(step)
+                self._migration.at_boundary(step)
+                with ctx.state_lock:
+                    ctx.registry.snapshot_others()
+                    ctx.step = step
+                    ctx.optimizer_stepped = False
+                    reseed(ctx.seed, ctx.rank, step)
+                    ctx.proxy.begin_step(step)
+                if ctx.link is not None:
+                    ctx.link.started(step)
+                ctx.injector.at_point(step, "boundary")
+                yield step
+                step = self._end_of_step(step)
+            with ctx.state_lock:
+                # what the script issues after its loop (a barrier, a final save) is the
+                # end's own pseudo-step, which a replacement reaches and redoes too
+                ctx.step = total
+                ctx.optimizer_stepped = False
+                ctx.proxy.begin_step(total)
+            self._verifier.at_boundary(total)
+            ctx.injector.at_point(total, "boundary")
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self._layout.stop()
+        self._finish(total)
+
+    def _end_of_step(self, step: int) -> int:
+        """The boundary after ``step``: the next step, or an earlier one to redo."""
+        self._ctx.completed_steps = step + 1
+        self._layout.end_of_step(step)
+        redo = self._survivor.redo_at_boundary(step)
+        return step + 1 if redo is None else redo
+
+    def _finish(self, total: int) -> None:
+        ctx = self._ctx
+        model = ctx.registry.model()
+        fingerprint = params_sha256(model) if ctx.rank == 0 and model is not None else None
+        unfired = ctx.injector.pending
+        if unfired and ctx.link is None:  # else the coordinator reports them
+            names = ", ".join(str(s) for s in unfired)
+            logger.warning("rank %d: faults never reached: %s", ctx.rank, names)
+        if ctx.link is not None:
+            done = protocol.Done(steps=total, params_sha256=fingerprint,
+                                 checksum=self._verifier.checksum())  # fmt: skip
+            ctx.link.ask(done, timeout=10.0)
+        ctx.finished = True
+        self._enter(WorkerPhase.FINISHED)

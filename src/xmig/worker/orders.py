@@ -1,0 +1,116 @@
+"""The one consumer of the coordinator's orders.
+
+The link's reader hands every decoded order to ``Orders.put``; one thread takes them in turn
+and dispatches each by its type (``Orders.table``). An order that a thread must wait for (the
+survivor's recovery plan, a paused step loop's next move, the digest of pulled state) goes to
+that thread's ``Inbox``, which drops what belongs to another generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from xmig import protocol
+from xmig.worker.errors import RecoveryFailed
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Any], None]
+
+
+class Inbox:
+    """Orders handed by the consumer to one waiting thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def hand(self, order: Any) -> None:
+        self._queue.put(order)
+
+    def clear(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def next(self, generation: int, timeout: float) -> Any | None:
+        """The next order of ``generation`` (None after ``timeout`` seconds). An ``Abort``
+        raises RecoveryFailed; an order of another generation is stale and dropped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                order = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if isinstance(order, protocol.Abort):
+                raise RecoveryFailed(order.reason)
+            if getattr(order, "generation", None) == generation:
+                return order
+            logger.debug("%s: dropped a stale %s", self.name, type(order).__name__)
+
+
+class Orders:
+    """Takes every order from the link, on one thread, and dispatches it by its type."""
+
+    def __init__(self, rank: int, on_park: Handler, on_pause: Handler) -> None:
+        self.rank = rank
+        self.plans = Inbox("recovery")  # a survivor's Rebuild (or Abort), after its Park
+        self.boundary = Inbox("boundary")  # a step loop paused at a boundary: Dump, Resume
+        self.digests = Inbox("digests")  # what the peer serving this rank's state sent
+        self.released = threading.Event()  # every rank has finished: a finished one may go
+        self._on_park = on_park
+        self._queue: queue.SimpleQueue[protocol.Message] = queue.SimpleQueue()
+        self.table: Mapping[type[protocol.Message], Handler] = {
+            protocol.Park: self._park,
+            protocol.Rebuild: self.plans.hand,
+            protocol.Abort: self._abort,
+            protocol.Pause: on_pause,
+            protocol.Dump: self.boundary.hand,
+            protocol.Resume: self.boundary.hand,
+            protocol.Release: lambda _order: self.released.set(),
+            protocol.StateAnnounced: self._announced,
+        }
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="xmig-orders", daemon=True)
+        self._thread.start()
+
+    def put(self, order: protocol.Message) -> None:
+        """From the link's reader thread: never blocks."""
+        self._queue.put(order)
+
+    def dispatch(self, order: protocol.Message) -> None:
+        handler = self.table.get(type(order))
+        if handler is None:
+            logger.warning("rank %d: no use for the order %r", self.rank, order.OP)
+            return
+        handler(order)
+
+    def _run(self) -> None:
+        while True:
+            order = self._queue.get()
+            try:
+                self.dispatch(order)
+            except Exception:
+                logger.exception("rank %d: handling the order %r failed", self.rank, order.OP)
+
+    def _park(self, order: protocol.Park) -> None:
+        # what came before the Park belonged to no recovery of this rank's
+        self.plans.clear()
+        self._on_park(order)
+
+    def _abort(self, order: protocol.Abort) -> None:
+        self.plans.hand(order)
+        self.boundary.hand(order)
+
+    def _announced(self, order: protocol.StateAnnounced) -> None:
+        if order.rank == self.rank:
+            self.digests.hand(order)

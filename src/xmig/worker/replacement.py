@@ -1,0 +1,82 @@
+"""A replacement's join: receive the state while the script builds its model, check its
+digest, load it, match DDP's layout, and start at the survivors' step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from xmig import protocol
+from xmig.state import PayloadError, ReplacementPayload
+from xmig.worker import pull
+from xmig.worker.context import WorkerContext
+from xmig.worker.errors import RecoveryFailed
+from xmig.worker.layout import DdpLayout
+from xmig.worker.verify import Verifier
+
+
+class Replacement:
+    def __init__(self, ctx: WorkerContext, layout: DdpLayout, verifier: Verifier) -> None:
+        self._ctx = ctx
+        self._layout = layout
+        self._verifier = verifier
+        # (what was received, its stats), or (the exception, None)
+        self._incoming: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+
+    def start_receiving(self) -> None:
+        """Receive the state on a thread of its own while the script still builds its model."""
+        threading.Thread(target=self._receive, name="xmig-receive", daemon=True).start()
+
+    def _receive(self) -> None:
+        ctx = self._ctx
+        try:
+            stream = None
+            if ctx.backend == "nccl":
+                torch.cuda.set_device(ctx.device)  # the current device is per thread
+                # a stream of its own, so that the script's kernels on the default stream
+                # (building the model) and the transfer do not wait for each other
+                stream = torch.cuda.Stream(ctx.device)
+            self._incoming.put(pull.receive(ctx, ctx.env.generation, stream))
+        except BaseException as exc:  # handed to the step loop, which reports it
+            self._incoming.put((exc, None))
+
+    def join(self) -> int:
+        """Take the state received from a peer, match its DDP, and return the step to
+        start at."""
+        ctx = self._ctx
+        timeout = ctx.env.recovery_timeout
+        started = time.monotonic()
+        try:
+            incoming, stats = self._incoming.get(timeout=timeout)
+        except queue.Empty:
+            raise RecoveryFailed(f"no state from a peer within {timeout:.0f} s") from None
+        if isinstance(incoming, BaseException):
+            raise RecoveryFailed(f"receiving the state failed: {incoming}") from incoming
+        pull.check_digest(ctx, ctx.env.generation, stats.digest)
+        waited = time.monotonic() - started
+        try:
+            payload = ReplacementPayload.from_wire(incoming)
+        except PayloadError as exc:
+            raise RecoveryFailed(f"the peer's state is not a recovery's: {exc}") from None
+        del incoming
+        ctx.load_state(payload.state)
+        if ctx.backend == "nccl":
+            # buffers received on the receiving thread's stream and now copied into the
+            # model return to that stream's pool, which nothing allocates from again
+            payload.state = {}
+            torch.cuda.empty_cache()
+        ctx.first_step = payload.first_step
+        self._layout.adopt(payload.ddp, payload.step, payload.first_step)
+        if payload.signatures is not None:
+            ctx.proxy.expect_signatures(payload.step, payload.signatures)
+        ctx.proxy.resume("normal")
+        phases = {"pull": stats.seconds, "join": time.monotonic() - started, "waited": waited}
+        ctx.send(protocol.Recovered(generation=ctx.env.generation, role="replacement",
+                                    phases=phases, pull=pull.pull_report("receiver", stats),
+                                    t_resumed=time.time(), t=time.time()))  # fmt: skip
+        self._verifier.expect(ctx.env.generation, payload.step)
+        return payload.step

@@ -1,0 +1,209 @@
+"""A survivor's part in the recovery of a failed peer: park, report where it stands, finish
+DDP's layout locally when rank 0 is replaced, rebuild the communicator, serve or receive the
+state, then replay the step or roll it back."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from xmig import protocol
+from xmig.state import ReplacementPayload
+from xmig.state import ddp as ddp_state
+from xmig.worker import pull
+from xmig.worker.context import STATE_LOCK_TIMEOUT_S, WorkerContext
+from xmig.worker.errors import RecoveryFailed
+from xmig.worker.hooks import OptimizerGate
+from xmig.worker.layout import DdpLayout
+from xmig.worker.phase import WorkerPhase
+from xmig.worker.verify import Verifier
+
+
+class Survivor:
+    def __init__(
+        self, ctx: WorkerContext, layout: DdpLayout, verifier: Verifier, gate: OptimizerGate
+    ) -> None:
+        self._ctx = ctx
+        self._layout = layout
+        self._verifier = verifier
+        self._gate = gate
+        self._parks: queue.SimpleQueue[protocol.Park] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        # a rollback: the step to go on from at the next boundary, and the state pulled for it
+        self._redo_from: int | None = None
+        self._stash: dict[str, Any] | None = None
+
+    def on_park(self, park: protocol.Park) -> None:
+        """From the order consumer: recoveries run in turn on a thread of their own, which
+        waits for the plan the consumer hands on."""
+        self._ctx.recoveries_started += 1
+        self._parks.put(park)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="xmig-recovery", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            park = self._parks.get()
+            try:
+                self.recover(park)
+            except Exception as exc:
+                self._ctx.die(f"recovery failed: {type(exc).__name__}: {exc}")
+
+    def recover(self, park: protocol.Park) -> None:
+        ctx = self._ctx
+        generation = park.generation
+        started = time.monotonic()
+        if not ctx.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
+            raise RecoveryFailed("the framework held the state lock too long")
+        try:
+            was = ctx.phase.move(WorkerPhase.PARKED)
+            ctx.proxy.halt()
+            ctx.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
+            if 0 in park.replaced:
+                self._finish_layout_locally()
+            ctx.send(protocol.Parked(generation=generation, position=self.position(),
+                                     t=time.time()))  # fmt: skip
+            plan = ctx.orders.plans.next(generation, ctx.env.recovery_timeout)
+            if plan is None:
+                raise RecoveryFailed(f"no rebuild order within {ctx.env.recovery_timeout:.0f} s")
+            # before the step runs on (the training thread reaches the next boundary as soon
+            # as the replay is done)
+            self._verifier.expect(generation, plan.step)
+            parked = time.monotonic()
+            communicator = ctx.comms.communicator("world", generation, ctx.rank, ctx.world_size)
+            rebuilt = time.monotonic()
+            report = self._serve_or_receive(plan)  # includes waiting for the receiver
+            pulled = time.monotonic()
+            ctx.proxy.switch(communicator)
+            replay_s = 0.0
+            if plan.mode == "replay":
+                replay_s = ctx.proxy.replay(plan.step, ctx.env.recovery_timeout)
+                ctx.proxy.resume()
+            else:
+                self.roll_back(plan.step)
+            ctx.phase.move(was)
+        finally:
+            ctx.state_lock.release()
+        phases = {"park": parked - started, "rebuild": rebuilt - parked,
+                  "pull": pulled - rebuilt, "replay": replay_s}  # fmt: skip
+        ctx.send(protocol.Recovered(generation=generation, role="survivor", phases=phases,
+                                    pull=report, t_resumed=time.time(), t=time.time()))  # fmt: skip
+        if ctx.finished:  # a finished rank that served a peer: its state is the end's
+            self._verifier.at_boundary(ctx.total if ctx.total is not None else plan.step)
+
+    def position(self) -> protocol.Position:
+        """Where this rank stands, for the coordinator's choice of step, source and mode."""
+        ctx = self._ctx
+        log_from = None
+        if ctx.step is not None:
+            log_from = max(ctx.step - 1, ctx.first_step or 0)
+        signatures: dict[str, list[str]] = {}
+        if ctx.step is not None and ctx.env.keep_log:
+            for record in ctx.proxy.logged(log_from or 0):
+                signatures.setdefault(str(record.step), []).append(record.signature)
+        return protocol.Position(
+            step=ctx.step,
+            state_step=ctx.state_step,
+            log_from=log_from,
+            keep_log=ctx.env.keep_log,
+            signatures=signatures,
+            pending=len(ctx.proxy.pending()),
+            optimizer_waiting=ctx.optimizer_waiting,
+            ddp_layout=self._layout.digest,
+            ddp_layout_source=self._layout.source,
+        )
+
+    def _finish_layout_locally(self) -> None:
+        """Rank 0, the root of DDP's layout broadcasts, is being replaced while this rank's
+        DDP rebuilds its buckets: it finishes the rebuild with its own layout, served without
+        the network, the step running on (the state lock let go) until DDP has taken it. The
+        replacement takes the same layout; the coordinator checks that every survivor's is
+        the same and whether any saw rank 0's."""
+        ctx, proxy = self._ctx, self._ctx.proxy
+        ddp = ctx.registry.ddp
+        if ddp is None or self._layout.layout is not None or not ddp_state.rebuilds(ddp):
+            return
+        rebuild_step = (ctx.first_step or 0) + 1
+        if ctx.state_step != rebuild_step:
+            return
+        pair = ddp_state.layout_pair(proxy.int_broadcasts, rebuild_step)
+        picker = ddp_state.LayoutPicker(rebuild_step, pair[0].index if pair else None)
+        # what DDP already took over the network is not re-issued: the replacement does not
+        # broadcast a layout, it takes this one
+        logged = proxy.logged(rebuild_step)
+        proxy.forget([r for r in logged if r.state == "done" and picker(r)])
+        proxy.local_filter = picker
+        proxy.serve_pending_locally()
+        ctx.state_lock.release()
+        try:
+            deadline = time.monotonic() + ctx.env.recovery_timeout
+            while (layout := ddp_state.complete_layout(proxy.int_broadcasts,
+                                                       rebuild_step)) is None:  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise RecoveryFailed("DDP did not reach its bucket rebuild within "
+                                         f"{ctx.env.recovery_timeout:.0f} s")  # fmt: skip
+                time.sleep(0.002)
+        finally:
+            proxy.local_filter = None
+            if not ctx.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
+                ctx.die("the framework held the state lock too long")
+        pair = ddp_state.layout_pair(proxy.int_broadcasts, rebuild_step)
+        assert pair is not None and pair[1] is not None
+        self._layout.layout = layout
+        self._layout.source = ddp_state.layout_source(pair[0], pair[1])
+
+    def _serve_or_receive(self, plan: protocol.Rebuild) -> dict[str, Any] | None:
+        ctx = self._ctx
+        if plan.source == ctx.rank and plan.pulls:
+            return pull.serve(ctx, plan.generation, plan.pulls, self._outgoing(plan))
+        if ctx.rank in plan.pulls:
+            incoming, stats = pull.receive(ctx, plan.generation)
+            pull.check_digest(ctx, plan.generation, stats.digest)
+            self._stash = ReplacementPayload.from_wire(incoming).state
+            return pull.pull_report("receiver", stats)
+        return None
+
+    def _outgoing(self, plan: protocol.Rebuild) -> ReplacementPayload:
+        ctx = self._ctx
+        signatures = [r.signature for r in ctx.proxy.logged(plan.step) if r.step == plan.step]
+        return ReplacementPayload(
+            step=plan.step,
+            mode=plan.mode,
+            first_step=ctx.first_step,
+            state=ctx.state_dict(),
+            ddp=self._layout.outgoing(plan.step, plan.verify_ready_order),
+            signatures=signatures if plan.mode == "replay" else None,
+        )
+
+    # ---- rollback ---------------------------------------------------------------------------
+    def roll_back(self, resume_step: int) -> None:
+        """Finish the current step without the network or an optimizer update, then go on
+        from ``resume_step`` with the state as of its start (``redo_at_boundary``)."""
+        optimizer = self._ctx.registry.optimizer()
+        if optimizer is not None and not self._ctx.optimizer_stepped:
+            self._gate.skip_update(optimizer)  # this step's update must not happen
+        self._redo_from = resume_step
+        self._ctx.proxy.skip_rest_of_step()
+
+    def redo_at_boundary(self, step: int) -> int | None:
+        """At the boundary after ``step``: the step to redo after a rollback (the state
+        restored as of its start), or None to go on."""
+        if self._redo_from is None:
+            return None
+        ctx = self._ctx
+        with ctx.state_lock:
+            redo, self._redo_from = self._redo_from, None
+            self._gate.allow_update()
+            if self._stash is not None:
+                ctx.load_state(self._stash)
+                self._stash = None
+            elif redo == step:
+                ctx.registry.restore_others()
+            optimizer = ctx.registry.optimizer()
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            ctx.proxy.resume("normal")
+        return redo

@@ -1,0 +1,494 @@
+"""The coordinator's state machines, without sockets, threads or processes: each test feeds
+events to a ``Job`` (with the wall clock as an argument) and checks the orders and states."""
+
+import pytest
+
+from xmig.coord.machine import SETTLE_WINDOW_S, TRANSITIONS, IllegalTransition, Job, JobState
+from xmig.coord.migration import MIGRATION_TRANSITIONS, MigrationPhase
+from xmig.coord.orders import (
+    AgentLost,
+    Finish,
+    Note,
+    Refused,
+    Reply,
+    Say,
+    Tick,
+    ToAll,
+    ToNode,
+)
+from xmig.coord.recovery import RECOVERY_TRANSITIONS, RecoveryPhase
+from xmig.jobspec import JobSpec
+from xmig.protocol import (
+    Abort,
+    AgentHello,
+    CriuStatus,
+    Dump,
+    Dumped,
+    Fault,
+    FaultRecord,
+    MigrateRequest,
+    Park,
+    Parked,
+    Pause,
+    Paused,
+    PauseRefused,
+    Position,
+    Progress,
+    Rebuild,
+    Recovered,
+    RecoveryFailed,
+    Rejoined,
+    Release,
+    Respawn,
+    Restore,
+    Restored,
+    Resume,
+    Resumed,
+    StateAnnounced,
+    StateSent,
+    StatusRequest,
+    StopJob,
+    Stopped,
+    StopWorkers,
+    WorkerDone,
+    WorkerExited,
+    WorkerJoined,
+    WorkerStarted,
+)
+
+S = JobState
+T0 = 1000.0
+
+
+def make_spec(**fields):
+    base = {"job_id": "job", "script": "train.py", "args": (), "cwd": "/", "nnodes": 2,
+            "nproc_per_node": 1}  # fmt: skip
+    return JobSpec(**{**base, **fields})
+
+
+def sent(orders, kind):
+    """The messages of type ``kind`` the orders push, with where: ("all" or a node, msg)."""
+    out = []
+    for order in orders:
+        if isinstance(order, ToAll) and isinstance(order.msg, kind):
+            out.append(("all", order.msg))
+        elif isinstance(order, ToNode) and isinstance(order.msg, kind):
+            out.append((order.node, order.msg))
+    return out
+
+
+def said(orders):
+    return [o.text for o in orders if isinstance(o, Say)]
+
+
+def started_job(**fields) -> Job:
+    """A job whose agents all joined: RUNNING, one rank per node, no rank in its loop yet."""
+    spec = make_spec(**fields)
+    job = Job(spec, started=T0)
+    for node in range(spec.all_nodes):
+        job.on(AgentHello(node=node, pid=100 + node, netns=None), T0)
+    for rank in range(spec.world_size):
+        node = rank // spec.nproc_per_node
+        job.on(WorkerStarted(rank=rank, node=node, pid=200 + rank, attempt=0, t=T0,
+                             from_spare=False), T0)  # fmt: skip
+        job.on(WorkerJoined(rank=rank, pid=200 + rank, attempt=0, t=T0), T0)
+    return job
+
+
+def running_job(**fields) -> Job:
+    """A job in its steps: every rank at step 3, CRIU usable everywhere."""
+    job = started_job(**fields)
+    for node in range(job.spec.all_nodes):
+        job.on(CriuStatus(node=node, usable=True, detail="ok", gpus=[]), T0)
+    for rank in range(job.spec.world_size):
+        job.on(Progress(rank=rank, step=3), T0)
+    return job
+
+
+def kill(rank, t=T0, kind="signal", step=3, generation=None):
+    return Fault(record=FaultRecord(
+        rank=rank, node=rank, pid=200 + rank, attempt=0, kind=kind, detail="SIGKILL", step=step,
+        t_fault=t, t_detected=t + 0.01, fault_time_source="detection", detected_after_s=0.01,
+        generation=generation,
+    ))  # fmt: skip
+
+
+def position(step=3, stepped=False):
+    return Position(step=step, state_step=step + 1 if stepped else step, log_from=step - 1,
+                    keep_log=True, signatures={str(step): ["allreduce"]})  # fmt: skip
+
+
+def recovering_job(**fields) -> tuple[Job, list]:
+    """Rank 1 killed, the settle window over: a recovery to generation 1 has begun."""
+    job = running_job(**fields)
+    job.on(kill(1), T0)
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.RECOVERING
+    return job, orders
+
+
+# ---- the tables ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table, terminal", [
+    (TRANSITIONS, {S.COMPLETED, S.FAILED}),
+    (RECOVERY_TRANSITIONS, {RecoveryPhase.DONE, RecoveryPhase.FAILED}),
+    (MIGRATION_TRANSITIONS, {MigrationPhase.DONE, MigrationPhase.DROPPED, MigrationPhase.FAILED}),
+])  # fmt: skip
+def test_every_state_has_a_row_and_only_terminal_states_are_dead_ends(table, terminal):
+    states = set(type(next(iter(table))))
+    assert set(table) == states
+    assert {s for s, nexts in table.items() if not nexts} == terminal
+    assert all(nexts <= states for nexts in table.values())
+
+
+def test_a_transition_outside_the_table_is_refused():
+    job = Job(make_spec(), started=T0)
+    with pytest.raises(IllegalTransition):
+        job._enter(S.COMPLETED, T0)  # STARTING cannot complete
+    assert job.state is S.STARTING
+
+
+# ---- starting ------------------------------------------------------------------------------
+
+
+def test_starting_to_running_when_every_agent_joined():
+    job = Job(make_spec(nnodes=2), started=T0)
+    first = job.on(AgentHello(node=0, pid=1, netns=None), T0)
+    assert job.state is S.STARTING and isinstance(first[-1], Reply)
+    assert first[-1].value["job"]["job_id"] == "job"
+    job.on(AgentHello(node=1, pid=2, netns=None), T0)
+    assert job.state is S.RUNNING
+
+
+def test_an_agent_of_an_unknown_or_joined_node_is_refused():
+    job = Job(make_spec(nnodes=2), started=T0)
+    job.on(AgentHello(node=0, pid=1, netns=None), T0)
+    for node in (0, 5):
+        with pytest.raises(Refused, match="not expected or already joined"):
+            job.on(AgentHello(node=node, pid=1, netns=None), T0)
+
+
+def test_starting_to_stopping_when_agents_do_not_connect_in_time():
+    job = Job(make_spec(nnodes=2, agent_connect_timeout=5.0), started=T0)
+    job.on(AgentHello(node=0, pid=1, netns=None), T0)
+    assert job.on(Tick(), T0 + 4.9) == []
+    orders = job.on(Tick(), T0 + 5.1)
+    assert job.state is S.STOPPING
+    assert "agents of nodes [1] did not connect within 5 s" in job.reason
+    assert sent(orders, StopWorkers) == [(0, StopWorkers(grace=3.0))]
+
+
+# ---- faults: settle, then recover or stop --------------------------------------------------
+
+
+def test_running_to_settling_then_recovering_after_the_window():
+    job = running_job()
+    orders = job.on(kill(1), T0)
+    assert job.state is S.SETTLING
+    assert sent(orders, Park) == []  # nothing decided inside the window
+    assert job.on(Tick(), T0 + SETTLE_WINDOW_S / 2) == []
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.RECOVERING and job.generation == 1
+    assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
+    assert sent(orders, Respawn) == [(1, Respawn(rank=1, generation=1, local_rank=0, attempt=1,
+                                                 fired=[]))]  # fmt: skip
+    assert any("fault: rank 1" in line for line in said(orders))
+
+
+def test_the_earliest_death_is_the_cause_and_errors_it_explains_are_secondary():
+    job = running_job(nnodes=3)
+    job.on(kill(2, t=T0 + 0.02, kind="comm_error"), T0)
+    job.on(kill(1, t=T0 + 0.01), T0)  # reported later, happened first
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.primary.rank == 1
+    assert [(f.rank, f.secondary) for f in job.faults] == [(1, False), (2, True)]
+    assert job.recovery.replaced == [1]
+
+
+def test_settling_to_stopping_when_no_recovery_is_allowed():
+    job = running_job(max_recoveries=0)
+    job.on(kill(1), T0)
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.STOPPING
+    assert "--max-recoveries" in job.reason
+    assert {node for node, _ in sent(orders, StopWorkers)} == {0, 1}
+
+
+def test_a_migration_requested_in_the_settle_window_is_refused_and_recovery_wins():
+    """The race of the old coordinator: a migration accepted while a fault settled left the
+    dead rank unrecovered until the recovery deadline."""
+    job = running_job(spare_nodes=1)
+    job.on(kill(1), T0)
+    with pytest.raises(Refused, match="handling a fault"):
+        job.on(MigrateRequest(rank=0, to=2), T0 + 0.01)
+    assert job.migration is None
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.RECOVERING
+
+
+def test_a_comm_error_of_an_earlier_generation_is_ignored():
+    job, _ = recovering_job()
+    assert job.on(kill(0, kind="comm_error", generation=0), T0 + 1) == []
+    assert job.state is S.RECOVERING
+
+
+# ---- recovery ------------------------------------------------------------------------------
+
+
+def test_parking_to_restoring_sends_the_plan_when_every_survivor_parked():
+    job, _ = recovering_job(nnodes=3)
+    assert job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2) == []
+    assert job.recovery.phase is RecoveryPhase.PARKING
+    orders = job.on(Parked(generation=1, position=position(), rank=2), T0 + 0.3)
+    assert job.recovery.phase is RecoveryPhase.RESTORING
+    ((where, plan),) = sent(orders, Rebuild)
+    assert where == "all" and plan.mode == "replay" and plan.step == 3 and plan.pulls == [1]
+
+
+def test_a_report_of_another_generation_is_ignored():
+    job, _ = recovering_job()
+    job.on(Parked(generation=0, position=position(), rank=0), T0 + 0.2)
+    assert job.recovery.parked == {}
+
+
+def test_restoring_to_done_settles_the_job_running():
+    job, _ = recovering_job()
+    job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2)
+    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=True), T0 + 0.2)
+    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0 + 0.25), T0 + 0.25)
+    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
+    job.on(Recovered(generation=1, role="survivor", rank=0, **report), T0 + 0.5)
+    assert job.state is S.RECOVERING
+    orders = job.on(Recovered(generation=1, role="replacement", rank=1, **report), T0 + 0.5)
+    assert job.state is S.RUNNING and job.recovery is None
+    (record,) = job.recoveries
+    assert record["rank"] == 1 and record["mode"] == "respawn" and record["from_spare"] == [True]
+    assert record["total_s"] == pytest.approx(0.5)
+    assert any(line.startswith("recovered rank 1") for line in said(orders))
+
+
+def test_the_source_digest_is_relayed_and_another_ranks_ignored():
+    job, _ = recovering_job(nnodes=3)
+    for rank in (0, 2):
+        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
+    source = job.recovery.plan.source
+    other = 2 if source == 0 else 0
+    assert sent(job.on(StateSent(generation=1, target=1, digest="d", rank=other), T0), object) == []
+    orders = job.on(StateSent(generation=1, target=1, digest="d", rank=source), T0)
+    assert sent(orders, StateAnnounced) == [
+        ("all", StateAnnounced(generation=1, rank=1, source=source, digest="d"))
+    ]
+
+
+def test_parking_to_failed_when_no_plan_can_work():
+    job, _ = recovering_job()
+    early = Position(step=None, state_step=None, log_from=None, keep_log=True, signatures={})
+    orders = job.on(Parked(generation=1, position=early, rank=0), T0 + 0.2)
+    assert job.state is S.STOPPING
+    assert sent(orders, Abort) and "has not reached session.steps()" in job.reason
+
+
+def test_a_second_fault_during_recovery_stops_the_job():
+    job, _ = recovering_job(nnodes=3)
+    orders = job.on(kill(2, t=T0 + 0.3), T0 + 0.3)
+    assert job.state is S.STOPPING
+    assert job.reason == "a second fault hit during recovery"
+    assert sent(orders, Abort) == [("all", Abort(reason="a second fault hit during recovery"))]
+    assert [f.rank for f in job.faults] == [1, 2]
+
+
+def test_a_recovery_deadline_stops_the_job_naming_who_is_late():
+    job, _ = recovering_job(nnodes=3, recovery_timeout=10.0)
+    job.on(Parked(generation=1, position=position(), rank=0), T0 + 1)
+    job.on(Tick(), T0 + 9)
+    assert job.state is S.RECOVERING
+    job.on(Tick(), T0 + 11)
+    assert job.state is S.STOPPING
+    assert job.reason == "ranks [2] did not park in time"
+
+
+def test_a_rank_that_cannot_recover_stops_the_job():
+    job, _ = recovering_job()
+    job.on(RecoveryFailed(error="no state", rank=1), T0 + 1)
+    assert job.state is S.STOPPING and "rank 1 could not recover: no state" in job.reason
+
+
+def test_an_agent_lost_during_recovery_stops_the_job():
+    job, _ = recovering_job(nnodes=3)
+    job.on(AgentLost(2), T0 + 1)
+    assert job.state is S.STOPPING
+    assert job.reason == "the agent of node 2 was lost during recovery"
+
+
+def test_a_survivor_exiting_during_recovery_stops_the_job():
+    job, _ = recovering_job()
+    job.on(WorkerExited(rank=0, pid=200, t=T0), T0 + 1)
+    assert job.state is S.STOPPING and "finished and exited during the recovery" in job.reason
+
+
+def test_a_lost_node_with_a_spare_node_is_recovered_there():
+    job = running_job(spare_nodes=1)
+    job.on(AgentLost(1), T0)
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.RECOVERING
+    assert [node for node, _ in sent(orders, Respawn)] == [2]
+
+
+def test_a_lost_node_without_a_spare_node_stops_the_job():
+    job = running_job()
+    job.on(AgentLost(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.STOPPING and "no spare node" in job.reason
+
+
+# ---- migration -----------------------------------------------------------------------------
+
+
+def migrating_job(**fields):
+    job = running_job(spare_nodes=1, **fields)
+    orders = job.on(MigrateRequest(rank=1, to=2), T0)
+    assert job.state is S.MIGRATING
+    return job, orders
+
+
+def test_running_to_migrating_pauses_every_rank_at_the_next_boundary():
+    job, orders = migrating_job()
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
+    assert isinstance(orders[-1], Reply) and "moving rank 1 from node 1 to node 2" in \
+        orders[-1].value["migration"]  # fmt: skip
+
+
+def test_a_migration_nobody_can_do_is_refused():
+    job = running_job()
+    with pytest.raises(Refused, match="no idle node"):
+        job.on(MigrateRequest(rank=1), T0)
+    with pytest.raises(Refused, match="already on node 1"):
+        job.on(MigrateRequest(rank=1, to=1), T0)
+    assert job.state is S.RUNNING and job.generation == 0
+
+
+def test_pause_refused_moves_the_pause_to_a_later_step():
+    job, _ = migrating_job()
+    job.on(Paused(generation=1, step=4, rank=0), T0)
+    orders = job.on(PauseRefused(generation=1, step=5, rank=1), T0)
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=6))]
+    assert job.migration.paused == {}
+
+
+def test_the_whole_migration_ends_running_with_its_record():
+    job, _ = migrating_job()
+    job.on(Paused(generation=1, step=4, rank=0), T0 + 0.1)
+    orders = job.on(Paused(generation=1, step=4, rank=1), T0 + 0.2)
+    assert job.migration.phase is MigrationPhase.DUMPING
+    ((node, dump),) = sent(orders, Dump)
+    assert node == 1 and dump.rank == 1
+    orders = job.on(Dumped(rank=1, node=1, generation=1, ok=True, dump_s=0.3, image_bytes=5),
+                    T0 + 0.6)  # fmt: skip
+    ((node, restore),) = sent(orders, Restore)
+    assert node == 2 and restore.pid == 201 and job.migration.phase is MigrationPhase.RESTORING
+    job.on(Restored(rank=1, node=2, generation=1, ok=True, pid=201, restore_s=0.2), T0 + 0.9)
+    assert job.members[1].node == 2 and job.migration.phase is MigrationPhase.REJOINING
+    orders = job.on(Rejoined(generation=1, netns=7, rank=1), T0 + 1.0)
+    assert sent(orders, Resume) == [("all", Resume(generation=1))]
+    job.on(Resumed(generation=1, rank=0), T0 + 1.1)
+    job.on(Resumed(generation=1, rank=1), T0 + 1.2)
+    assert job.state is S.RUNNING
+    (record,) = job.migrations
+    assert record["pid_kept"] and record["to_node"] == 2 and record["total_s"] == pytest.approx(1.2)
+
+
+def test_a_failed_dump_stops_the_job():
+    job, _ = migrating_job()
+    for rank in (0, 1):
+        job.on(Paused(generation=1, step=4, rank=rank), T0)
+    orders = job.on(Dumped(rank=1, node=1, generation=1, ok=False, error="criu"), T0)
+    assert job.state is S.STOPPING and sent(orders, Abort)
+    assert job.reason == "checkpointing rank 1 failed: criu"
+
+
+def test_a_rank_finishing_before_the_pause_drops_the_migration():
+    job, _ = migrating_job()
+    orders = job.on(WorkerDone(rank=0, steps=4, params_sha256=None, checksum=None), T0)
+    assert job.state is S.RUNNING and job.migration is None
+    assert any("the job finished first" in line for line in said(orders))
+
+
+def test_an_agent_lost_mid_migration_stops_the_job():
+    job, _ = migrating_job()
+    for rank in (0, 1):
+        job.on(Paused(generation=1, step=4, rank=rank), T0)
+    job.on(AgentLost(2), T0)  # the target, a spare node without ranks
+    assert job.state is S.STOPPING and job.reason == "the agent of node 2 was lost"
+
+
+def test_a_fault_during_a_migration_stops_the_job():
+    job, _ = migrating_job()
+    job.on(kill(0), T0)
+    assert job.state is S.STOPPING and job.reason == "a fault hit during the migration"
+
+
+def test_a_migration_deadline_stops_the_job():
+    job, _ = migrating_job(recovery_timeout=5.0)
+    job.on(Tick(), T0 + 6)
+    assert job.state is S.STOPPING and "was not moved within 5 s" in job.reason
+
+
+# ---- ending --------------------------------------------------------------------------------
+
+
+def test_every_rank_done_releases_them_then_running_to_completed():
+    job = running_job()
+    job.on(WorkerDone(rank=0, steps=5, params_sha256="abc", checksum="c"), T0)
+    orders = job.on(WorkerDone(rank=1, steps=5, params_sha256=None, checksum="c"), T0)
+    assert sent(orders, Release) == [("all", Release())]
+    job.on(WorkerExited(rank=0, pid=200, t=T0), T0)
+    orders = job.on(WorkerExited(rank=1, pid=201, t=T0), T0 + 2)
+    assert job.state is S.COMPLETED
+    (finish,) = [o for o in orders if isinstance(o, Finish)]
+    assert finish.summary["exit_code"] == 0 and finish.summary["final_params_sha256"] == "abc"
+    assert finish.summary["duration_s"] == pytest.approx(2.0)
+
+
+def test_replicas_that_end_different_fail_the_job():
+    job = running_job()
+    job.on(WorkerDone(rank=0, steps=5, params_sha256="abc", checksum="c0"), T0)
+    orders = job.on(WorkerDone(rank=1, steps=5, params_sha256=None, checksum="c1"), T0)
+    assert job.state is S.STOPPING and not sent(orders, Release)
+    assert "parameters differ at the end" in job.verdict
+
+
+def test_stopping_to_failed_once_every_agent_stopped():
+    job = running_job()
+    job.on(StopJob(reason="interrupted by SIGINT"), T0)
+    assert job.state is S.STOPPING
+    job.on(Stopped(node=0), T0 + 0.1)
+    orders = job.on(Stopped(node=1), T0 + 0.2)
+    assert job.state is S.FAILED
+    (finish,) = [o for o in orders if isinstance(o, Finish)]
+    assert finish.summary["message"] == "failed: interrupted by SIGINT"
+    assert finish.summary["stop_s"] == pytest.approx(0.2)
+
+
+def test_stopping_to_failed_when_agents_do_not_confirm_in_time():
+    job = running_job(stop_grace=1.0)
+    job.on(StopJob(reason="test"), T0)
+    job.on(Stopped(node=0), T0)
+    assert job.on(Tick(), T0 + 10) == []
+    orders = job.on(Tick(), T0 + 11.5)
+    assert job.state is S.FAILED
+    assert any("agents of nodes [1] did not confirm the stop" in line for line in said(orders))
+
+
+def test_every_state_change_is_noted_for_the_event_log():
+    job, orders = recovering_job()
+    notes = [o for o in orders if isinstance(o, Note)]
+    assert {"from": "settling", "to": "recovering"} in [n.fields for n in notes if n.event == "job"]
+    assert any(n.event == "generation" and n.fields["generation"] == 1 for n in notes)
+
+
+def test_status_answers_without_changing_anything():
+    job = running_job()
+    (reply,) = job.on(StatusRequest(), T0)
+    assert reply.value["status"]["status"] == "running"
+    assert reply.value["status"]["progress"] == {"0": 3, "1": 3}

@@ -1,0 +1,350 @@
+"""The worker's parts on their own: its phases, the one consumer of orders, the link's
+decoding of what the agent pushes, the rollback's optimizer gate, the migration's pause
+orders and the proxy's inputs from a recovery."""
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from xmig import protocol
+from xmig.agent.link import handle_push
+from xmig.ccl import Communicator
+from xmig.faults import FaultSpec
+from xmig.proxy import ProxyProcessGroup, ReplayMismatch
+from xmig.worker.errors import RecoveryFailed
+from xmig.worker.hooks import OptimizerGate
+from xmig.worker.migration import Continue, Migration
+from xmig.worker.orders import Orders
+from xmig.worker.phase import TRANSITIONS, IllegalTransition, Phase, WorkerPhase
+
+P = WorkerPhase
+
+
+# ---- phases --------------------------------------------------------------------------------
+
+
+def test_every_phase_has_its_transitions():
+    assert set(TRANSITIONS) == set(WorkerPhase)
+
+
+@pytest.mark.parametrize(
+    "left, to", [(a, b) for a, targets in TRANSITIONS.items() for b in targets]
+)
+def test_an_allowed_transition_is_taken(left, to):
+    phase = Phase(left)
+    assert phase.move(to) is left
+    assert phase.current is to
+
+
+FORBIDDEN = [(a, b) for a in WorkerPhase for b in WorkerPhase if b not in TRANSITIONS[a]]
+
+
+@pytest.mark.parametrize("left, to", FORBIDDEN)
+def test_a_forbidden_transition_raises(left, to):
+    phase = Phase(left)
+    with pytest.raises(IllegalTransition, match=f"from {left.value} to {to.value}"):
+        phase.move(to)
+    assert phase.current is left
+
+
+def test_forbidden_transitions_include_these():
+    for left, to in [(P.JOINING, P.PARKED), (P.PAUSED, P.PARKED), (P.FINISHED, P.TRAINING),
+                     (P.MOVING, P.TRAINING), (P.STARTING, P.FINISHED), (P.TRAINING, P.JOINING),
+                     (P.TRAINING, P.TRAINING)]:  # fmt: skip
+        assert (left, to) in FORBIDDEN
+
+
+def test_a_survivor_parks_and_goes_back_where_it_was():
+    for was in (P.STARTING, P.TRAINING, P.FINISHED):
+        phase = Phase(was)
+        assert phase.move(P.PARKED) is was
+        phase.move(was)
+        assert phase.current is was
+
+
+# ---- the order consumer --------------------------------------------------------------------
+
+
+def _orders(rank=1):
+    parks, pauses = [], []
+    return Orders(rank, on_park=parks.append, on_pause=pauses.append), parks, pauses
+
+
+def test_each_order_reaches_its_handler():
+    orders, parks, pauses = _orders()
+    park = protocol.Park(generation=2, replaced=[0])
+    orders.dispatch(park)
+    assert parks == [park]
+    pause = protocol.Pause(generation=3, step=7)
+    orders.dispatch(pause)
+    assert pauses == [pause]
+    rebuild = protocol.Rebuild(generation=2, mode="replay", step=4, source=1, pulls=[0])
+    orders.dispatch(rebuild)
+    assert orders.plans.next(2, timeout=1.0) == rebuild
+    dump = protocol.Dump(generation=3, rank=1, images="/i", rejoin_file="/r", serve=False)
+    resume = protocol.Resume(generation=3)
+    orders.dispatch(dump)
+    orders.dispatch(resume)
+    assert orders.boundary.next(3, timeout=1.0) == dump
+    assert orders.boundary.next(3, timeout=1.0) == resume
+    announced = protocol.StateAnnounced(generation=2, rank=1, source=0, digest="ab")
+    orders.dispatch(announced)
+    assert orders.digests.next(2, timeout=1.0) == announced
+    assert not orders.released.is_set()
+    orders.dispatch(protocol.Release())
+    assert orders.released.is_set()
+    assert set(orders.table) == {protocol.Park, protocol.Rebuild, protocol.Abort, protocol.Pause,
+                                 protocol.Dump, protocol.Resume, protocol.Release,
+                                 protocol.StateAnnounced}  # fmt: skip
+
+
+def test_an_abort_reaches_whoever_waits():
+    orders, _, _ = _orders()
+    orders.dispatch(protocol.Abort(reason="rank 3 died twice"))
+    with pytest.raises(RecoveryFailed, match="rank 3 died twice"):
+        orders.plans.next(2, timeout=1.0)
+    with pytest.raises(RecoveryFailed, match="rank 3 died twice"):
+        orders.boundary.next(5, timeout=1.0)
+
+
+def test_orders_of_a_stale_generation_are_ignored():
+    orders, _, _ = _orders()
+    orders.dispatch(protocol.Park(generation=2, replaced=[0]))
+    stale = protocol.Rebuild(generation=1, mode="replay", step=4, source=1, pulls=[0])
+    fresh = protocol.Rebuild(generation=2, mode="rollback", step=3, source=1, pulls=[0])
+    orders.dispatch(stale)
+    orders.dispatch(fresh)
+    assert orders.plans.next(2, timeout=1.0) == fresh
+    assert orders.plans.next(2, timeout=0.05) is None
+    orders.dispatch(protocol.Resume(generation=1))
+    assert orders.boundary.next(2, timeout=0.05) is None
+    orders.dispatch(protocol.StateAnnounced(generation=1, rank=1, source=0, digest="old"))
+    assert orders.digests.next(2, timeout=0.05) is None
+
+
+def test_what_came_before_a_park_is_not_its_plan():
+    orders, _, _ = _orders()
+    orders.dispatch(protocol.Abort(reason="an earlier migration"))
+    orders.dispatch(protocol.Rebuild(generation=2, mode="replay", step=4, source=1, pulls=[]))
+    orders.dispatch(protocol.Park(generation=2, replaced=[0]))
+    assert orders.plans.next(2, timeout=0.05) is None
+
+
+def test_a_digest_for_another_rank_is_not_this_ranks():
+    orders, _, _ = _orders(rank=1)
+    orders.dispatch(protocol.StateAnnounced(generation=2, rank=3, source=0, digest="ab"))
+    assert orders.digests.next(2, timeout=0.05) is None
+
+
+def test_an_order_with_no_handler_is_logged(caplog):
+    orders, parks, pauses = _orders()
+    with caplog.at_level(logging.WARNING, logger="xmig"):
+        orders.dispatch(protocol.InjectFault(fault={"rank": 1}))
+    assert "no use for the order 'inject_fault'" in caplog.text
+    assert not parks and not pauses
+
+
+def test_one_thread_takes_every_order_in_turn():
+    seen, done = [], threading.Event()
+
+    def on_park(order):
+        seen.append((threading.current_thread().name, order.generation))
+        if len(seen) == 3:
+            done.set()
+
+    orders = Orders(0, on_park=on_park, on_pause=lambda _o: None)
+    orders.start()
+    for generation in (1, 2, 3):
+        orders.put(protocol.Park(generation=generation, replaced=[1]))
+    assert done.wait(5.0)
+    assert seen == [("xmig-orders", 1), ("xmig-orders", 2), ("xmig-orders", 3)]
+
+
+def test_a_handler_that_fails_does_not_stop_the_consumer(caplog):
+    handled = threading.Event()
+
+    def on_pause(order):
+        if order.step == 1:
+            raise RuntimeError("boom")
+        handled.set()
+
+    orders = Orders(0, on_park=lambda _o: None, on_pause=on_pause)
+    orders.start()
+    with caplog.at_level(logging.ERROR, logger="xmig"):
+        orders.put(protocol.Pause(generation=1, step=1))
+        orders.put(protocol.Pause(generation=1, step=2))
+        assert handled.wait(5.0)
+    assert "handling the order 'pause' failed" in caplog.text
+
+
+# ---- the link's decoding of pushed frames ---------------------------------------------------
+
+FAULT = FaultSpec(kind="kill", rank=1, step=3).to_json()
+
+
+@pytest.mark.parametrize("frame, why", [
+    (["park"], "a JSON object"),
+    ({"op": "no_such_op"}, "unknown message"),
+    ({"op": "hello", "rank": 1, "pid": 2, "attempt": 0}, "not a message for the worker"),
+    ({"op": "park", "generation": 2}, "'replaced' is missing"),
+    ({"op": "park", "generation": "2", "replaced": [0]}, "park.generation"),
+    ({"op": "park", "generation": 2, "replaced": [0], "extra": 1}, "unknown field 'extra'"),
+    ({"op": "inject_fault"}, "'fault' is missing"),
+])  # fmt: skip
+def test_the_link_drops_a_frame_that_does_not_decode(caplog, frame, why):
+    injected, ordered = [], []
+    with caplog.at_level(logging.WARNING, logger="xmig"):
+        handle_push(frame, injected.append, ordered.append)
+    assert not injected and not ordered
+    assert "dropped a message from the agent" in caplog.text and why in caplog.text
+
+
+def test_the_link_hands_on_what_decodes():
+    injected, ordered = [], []
+    handle_push({"op": "inject_fault", "fault": FAULT}, injected.append, ordered.append)
+    handle_push({"op": "park", "generation": 2, "replaced": [0]}, injected.append, ordered.append)
+    handle_push({"op": "release"}, injected.append, ordered.append)
+    assert injected == [FaultSpec(kind="kill", rank=1, step=3)]
+    assert ordered == [protocol.Park(generation=2, replaced=[0]), protocol.Release()]
+
+
+def test_the_link_survives_a_handler_that_refuses(caplog):
+    def refuse(_spec):
+        raise ValueError("fault kill:rank=1:step=3 is for rank 1, this is rank 0")
+
+    with caplog.at_level(logging.WARNING, logger="xmig"):
+        handle_push({"op": "inject_fault", "fault": FAULT}, refuse, None)
+        handle_push({"op": "inject_fault", "fault": {"rank": 1}}, refuse, None)
+    assert caplog.text.count("dropped the agent's 'inject_fault'") == 2
+
+
+# ---- the optimizer gate and a rollback --------------------------------------------------------
+
+
+def _gate():
+    ctx = SimpleNamespace(
+        step=3,
+        state_lock=threading.Lock(),
+        optimizer_waiting=False,
+        optimizer_stepped=False,
+        env=SimpleNamespace(recovery_timeout=1.0),
+        injector=SimpleNamespace(at_point=lambda step, point: None),
+    )
+    return OptimizerGate(ctx), ctx
+
+
+def _optimizer():
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    return param, torch.optim.SGD([param], lr=0.5)
+
+
+def test_an_update_holds_the_state_lock():
+    gate, ctx = _gate()
+    param, optimizer = _optimizer()
+    seen = []
+    optimizer.register_step_pre_hook(gate.before)
+    optimizer.register_step_pre_hook(lambda *_a: seen.append(ctx.state_lock.locked()))
+    optimizer.register_step_post_hook(gate.after)
+    optimizer.step()
+    assert seen == [True] and not ctx.state_lock.locked() and ctx.optimizer_stepped
+    assert torch.equal(param.detach(), torch.full((3,), 0.5))
+
+
+def test_a_rolled_back_step_does_not_update():
+    gate, ctx = _gate()
+    param, optimizer = _optimizer()
+    optimizer.register_step_pre_hook(gate.before)
+    optimizer.register_step_post_hook(gate.after)
+    gate.skip_update(optimizer)
+    optimizer.step()
+    assert torch.equal(param.detach(), torch.ones(3)) and not ctx.optimizer_stepped
+    gate.allow_update()
+    assert "step" not in vars(optimizer)  # the class's own step again
+    optimizer.step()
+    assert torch.equal(param.detach(), torch.full((3,), 0.5))
+
+
+def test_an_update_already_waiting_when_a_rollback_comes_fails():
+    gate, ctx = _gate()
+    _param, optimizer = _optimizer()
+    gate.skip_update(SimpleNamespace())  # decided while this update waited for the lock
+    with pytest.raises(RecoveryFailed, match="cannot be undone"):
+        gate.before(optimizer, (), {})
+    assert not ctx.state_lock.locked()
+
+
+# ---- a migration's pause orders ----------------------------------------------------------------
+
+
+def _migration():
+    sent = []
+    orders, _, _ = _orders(rank=0)
+    ctx = SimpleNamespace(send=sent.append, orders=orders)
+    return Migration(ctx), sent, orders
+
+
+def test_a_pause_at_a_step_already_begun_is_refused():
+    migration, sent, _ = _migration()
+    migration.at_boundary(5)
+    migration.on_pause(protocol.Pause(generation=4, step=5))
+    assert len(sent) == 1 and isinstance(sent[0], protocol.PauseRefused)
+    assert (sent[0].generation, sent[0].step) == (4, 5) and sent[0].t > 0
+
+
+def test_a_later_pause_lets_a_paused_loop_go_on():
+    migration, sent, orders = _migration()
+    migration._paused_at = 5  # paused at step 5 for an order now superseded
+    migration.on_pause(protocol.Pause(generation=6, step=8))
+    assert orders.boundary.next(6, timeout=1.0) == Continue(6)
+    assert not sent
+
+
+# ---- the proxy's inputs from a recovery --------------------------------------------------------
+
+
+@pytest.fixture
+def proxy():
+    comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    return ProxyProcessGroup(comm)
+
+
+def _broadcast(group, tensor):
+    group.broadcast([tensor], dist.BroadcastOptions()).wait()
+
+
+def test_a_replacement_refuses_an_op_the_survivors_did_not_log(proxy):
+    tensor = torch.zeros(4)
+    proxy.begin_step(7)
+    proxy.expect_signatures(7, ["allreduce|(4,):torch.float32|reduceOp=RedOpType.SUM"])
+    with pytest.raises(ReplayMismatch, match="op 0 of step 7 is broadcast"):
+        _broadcast(proxy, tensor)
+
+
+def test_an_overridden_broadcast_goes_out_with_the_given_input(proxy):
+    tensor = torch.zeros(3, dtype=torch.int32)
+    proxy.begin_step(2)
+    proxy.override_broadcast(2, 0, torch.tensor([4, 5, 6], dtype=torch.int32))
+    _broadcast(proxy, tensor)
+    assert tensor.tolist() == [4, 5, 6]
+
+
+def test_served_broadcasts_and_a_skipped_step_need_no_network(proxy):
+    proxy.begin_step(1)
+    proxy.skip_rest_of_step()  # local from now on
+    proxy.serve_broadcasts([torch.tensor([1, 2]), torch.tensor([3, 4])])
+    first, second, third = torch.zeros(2), torch.zeros(2), torch.full((2,), 9.0)
+    for tensor in (first, second, third):
+        _broadcast(proxy, tensor)
+    assert first.tolist() == [1, 2] and second.tolist() == [3, 4]
+    assert third.tolist() == [9, 9]  # nothing left to serve: its own input
+    started = time.monotonic()
+    proxy.halt()
+    _broadcast(proxy, torch.zeros(1))  # served locally even while halted
+    assert time.monotonic() - started < 5
