@@ -238,7 +238,7 @@ def test_a_comm_error_of_an_earlier_generation_is_ignored():
 
 def test_parking_to_restoring_sends_the_plan_when_every_survivor_parked():
     job, _ = recovering_job(nnodes=3)
-    assert job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2) == []
+    assert sent(job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2), object) == []
     assert job.recovery.phase is RecoveryPhase.PARKING
     orders = job.on(Parked(generation=1, position=position(), rank=2), T0 + 0.3)
     assert job.recovery.phase is RecoveryPhase.RESTORING
@@ -266,6 +266,27 @@ def test_restoring_to_done_settles_the_job_running():
     assert record["rank"] == 1 and record["mode"] == "respawn" and record["from_spare"] == [True]
     assert record["total_s"] == pytest.approx(0.5)
     assert any(line.startswith("recovered rank 1") for line in said(orders))
+
+
+def test_a_recovery_notes_each_phase_and_each_ranks_report_for_the_event_log():
+    job, orders = recovering_job()
+    notes = [o.fields for o in orders if isinstance(o, Note) and o.event == "recovery"]
+    assert notes == [{"generation": 1, "what": "phase", "after_s": 0.0, "phase": "parking",
+                      "replaced": [1], "placement": {1: 1}}]  # fmt: skip
+    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
+    orders = [
+        *job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2),
+        *job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0 + 0.25), T0 + 0.25),
+        *job.on(Recovered(generation=1, role="survivor", rank=0, **report), T0 + 0.5),
+        *job.on(Recovered(generation=1, role="replacement", rank=1, **report), T0 + 0.6),
+    ]
+    notes = [o.fields for o in orders if isinstance(o, Note) and o.event == "recovery"]
+    assert [(n["what"], n.get("phase"), n.get("rank")) for n in notes] == [
+        ("parked", None, 0), ("phase", "restoring", None), ("joined", None, 1),
+        ("recovered", None, 0), ("recovered", None, 1), ("phase", "done", None),
+    ]  # fmt: skip
+    assert notes[-1]["record"]["phases"]["respawn"] == pytest.approx(0.15)
+    assert [n["after_s"] for n in notes] == sorted(n["after_s"] for n in notes)
 
 
 def test_the_source_digest_is_relayed_and_another_ranks_ignored():

@@ -94,3 +94,28 @@ def test_worker_lines_go_to_stderr_with_the_xmig_prefix(tmp_path, level, shown):
     assert "phase: finished" in proc.stdout
     line = "xmig: rank 0: faults never reached: kill:rank=0:step=9:at=boundary"
     assert (line in proc.stderr.splitlines()) is shown, proc.stderr
+
+
+TWICE_SCRIPT = """
+import xmig
+session = xmig.init()
+for step in session.steps(2):
+    pass
+try:
+    for step in session.steps(2):
+        pass
+except xmig.XmigError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_second_step_loop_is_refused(tmp_path):
+    """The step loop runs once per process: a second one would report the job done again."""
+    script = tmp_path / "worker.py"
+    script.write_text(TWICE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XMIG_", "MASTER_"))}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: session.steps() runs once per process" in proc.stdout
+    assert "(it is finished)" in proc.stdout

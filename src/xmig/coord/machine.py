@@ -392,6 +392,7 @@ class Job:
             *self._enter(S.RECOVERING, now),
             Note("generation", {"generation": self.generation, "why": "recovery",
                                 "replaced": replaced}),
+            *self.recovery.start(now),
             ToAll(Park(generation=self.generation, replaced=replaced)),
         ]  # fmt: skip
         for rank in replaced:

@@ -126,13 +126,13 @@ class Migration:
                                    "step": self.step, "after_s": 0.0}),
                 ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
 
-    def _enter(self, phase: MigrationPhase, now: float) -> list[Order]:
+    def _enter(self, phase: MigrationPhase, now: float, **fields: Any) -> list[Order]:
         if phase not in MIGRATION_TRANSITIONS[self.phase]:
             raise AssertionError(f"migration cannot go from {self.phase.name} to {phase.name}")
         self.phase = phase
         self.times[phase.value] = now
         return [Note("migration", {"generation": self.generation, "phase": phase.value,
-                                   "after_s": round(now - self.started, 6)})]  # fmt: skip
+                                   "after_s": round(now - self.started, 6), **fields})]  # fmt: skip
 
     def fail(self, reason: str, now: float) -> list[Order]:
         return [*self._enter(MigrationPhase.FAILED, now), GiveUp("migration failed", reason)]
@@ -206,8 +206,9 @@ class Migration:
             self.resumed.add(event.rank)
             if len(self.resumed) < self.world_size:
                 return []
-            orders = self._enter(MigrationPhase.DONE, now)
+            self.times[MigrationPhase.DONE.value] = now
             record = self.record()
+            orders = self._enter(MigrationPhase.DONE, now, record=record)
             return [*orders, Settled(record, describe_migration(record))]
         return []
 

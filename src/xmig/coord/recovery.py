@@ -131,12 +131,15 @@ class Recovery:
     def expected(self) -> set[int]:
         return set(self.survivors) | set(self.replaced)
 
-    def _enter(self, phase: RecoveryPhase, now: float) -> list[Order]:
+    def start(self, now: float) -> list[Order]:
+        return [self._note(now, "phase", phase=self.phase.value, replaced=self.replaced,
+                           placement=self.placement)]  # fmt: skip
+
+    def _enter(self, phase: RecoveryPhase, now: float, **fields: Any) -> list[Order]:
         if phase not in RECOVERY_TRANSITIONS[self.phase]:
             raise AssertionError(f"recovery cannot go from {self.phase.name} to {phase.name}")
         self.phase = phase
-        return [Note("recovery", {"generation": self.generation, "phase": phase.value,
-                                  "after_s": round(now - self.started, 6)})]  # fmt: skip
+        return [self._note(now, "phase", phase=phase.value, **fields)]
 
     def on(self, event: Any, now: float) -> list[Order]:
         """The orders ``event`` calls for (none when it does not concern this recovery)."""
@@ -148,19 +151,28 @@ class Recovery:
             self.from_spare[event.rank] = event.from_spare
         elif isinstance(event, WorkerJoined):
             self.joined[event.rank] = event.t
+            return [self._note(now, "joined", rank=event.rank)]
         elif getattr(event, "generation", self.generation) != self.generation:
             return []  # a report of an earlier recovery
         elif isinstance(event, Parked):
-            return self._on_parked(event, now)
+            return [self._note(now, "parked", rank=event.rank, step=event.position.step),
+                    *self._on_parked(event, now)]  # fmt: skip
         elif isinstance(event, StateSent):
             return self._relay_digest(event)
         elif isinstance(event, Recovered):
             self.recovered[event.rank] = event
-            if self.plan is not None and set(self.recovered) >= self.expected:
-                record = self.record(now)
-                return [*self._enter(RecoveryPhase.DONE, now),
-                        Settled(record, describe_recovery(record))]  # fmt: skip
+            note = self._note(now, "recovered", rank=event.rank, role=event.role,
+                              phases={k: round(v, 6) for k, v in event.phases.items()})  # fmt: skip
+            if self.plan is None or not set(self.recovered) >= self.expected:
+                return [note]
+            record = self.record(now)
+            return [note, *self._enter(RecoveryPhase.DONE, now, record=record),
+                    Settled(record, describe_recovery(record))]  # fmt: skip
         return []
+
+    def _note(self, now: float, what: str, **fields: Any) -> Note:
+        return Note("recovery", {"generation": self.generation, "what": what,
+                                 "after_s": round(now - self.started, 6), **fields})  # fmt: skip
 
     def _on_parked(self, event: Parked, now: float) -> list[Order]:
         self.parked[event.rank] = event.position

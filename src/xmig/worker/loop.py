@@ -49,6 +49,11 @@ class StepLoop:
         ctx = self._ctx
         if total < 0 or start < 0 or start > total:
             raise XmigError(f"bad step range: start={start}, total={total}")
+        if ctx.phase.current not in (WorkerPhase.STARTING, WorkerPhase.PARKED):
+            raise XmigError(
+                "session.steps() runs once per process: this rank already ran its step loop "
+                f"(it is {ctx.phase.current.value})"
+            )
         ctx.total = total
         ctx.registry.find_ddp()
         hooks = install_hooks(ctx, self._gate)
