@@ -1,10 +1,13 @@
 """CPU benchmark: plain DDP vs DDP through xmig's proxy, and recovery time by fault point.
 
     python bench/recovery_cpu.py [--out bench/results/recovery-cpu.md] [--baseline SRC]
+                                 [--repeat N]
 
 With ``--baseline SRC`` (the ``src`` folder of another checkout of xmig, e.g. a ``git
 worktree`` of an earlier commit) every measurement runs for both versions in the same run,
 alternating their order, and the report compares them (before = SRC, after = this checkout).
+``--repeat N`` takes every measurement N times (medians and their range are reported): on a
+shared 2-core machine one run of each is not enough to tell 2 % apart.
 
 Runs the demo GPT on 2 ranks (gloo). Steady state: plain DDP and DDP through xmig in the same
 processes, steps alternating (``bench/proxy_overhead.py``), at two sizes.
@@ -163,7 +166,10 @@ def main() -> int:
         default=None,
         help="the src folder of another xmig to compare with, in the same run",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every measurement")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     command = "python bench/recovery_cpu.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = Path(tempfile.mkdtemp(prefix="xmig-bench-"))
@@ -175,15 +181,19 @@ def main() -> int:
         """Both versions, their order alternating from one measurement to the next (ABBA)."""
         return versions if i % 2 == 0 else versions[::-1]
 
-    every_overhead: dict[str, dict[str, dict]] = {v: {} for v in versions}
-    for i, (name, (model, steps)) in enumerate(SIZES.items()):
-        for version in in_turn(i):
-            slug = f"{version}-{name.replace(' ', '_').replace('/', '-')}"
-            every_overhead[version][name] = result = paired(work, slug, steps, model,
-                                                            env=envs[version])  # fmt: skip
-            print(f"[{version}] {name}: plain {result['median_ms']['plain']:.1f} ms, xmig "
-                  f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
-                  f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+    # version -> size -> one result per repeat
+    every_overhead: dict[str, dict[str, list[dict]]] = {v: {} for v in versions}
+    turn = 0
+    for repeat in range(args.repeat):
+        for name, (model, steps) in SIZES.items():
+            for version in in_turn(turn):
+                slug = f"{version}-{repeat}-{name.replace(' ', '_').replace('/', '-')}"
+                result = paired(work, slug, steps, model, env=envs[version])
+                every_overhead[version].setdefault(name, []).append(result)
+                print(f"[{version}] {name}: plain {result['median_ms']['plain']:.1f} ms, xmig "
+                      f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
+                      f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+            turn += 1
 
     # slow steps (a sleep, which changes no number) give the hot spare time to warm up first
     fault_steps = 16
@@ -193,10 +203,11 @@ def main() -> int:
     every_recovery: dict[str, list] = {v: [] for v in versions}
     cases = [(point, []) for point in POINTS]
     cases += [(point, ["--hot-spares", "0"]) for point in POINTS]
-    for i, (point, extra) in enumerate(cases):
+    runs = [(repeat, case) for repeat in range(args.repeat) for case in cases]
+    for i, (repeat, (point, extra)) in enumerate(runs):
         spec = f"kill:rank=1:step={FAULT_STEP}:at={point}"
         for version in in_turn(i):
-            name = f"{version}-kill-{point}{'-cold' if extra else ''}"
+            name = f"{version}-{repeat}-kill-{point}{'-cold' if extra else ''}"
             summary = xmig_summary(work, name, fault_steps, [*extra, "--inject", spec], SLOW,
                                    env=envs[version])  # fmt: skip
             identical = summary["final_params_sha256"] == reference["final_params_sha256"]
@@ -204,7 +215,8 @@ def main() -> int:
             every_recovery[version].append((spec, summary, record, identical))
             total = f"{record['total_s']:.2f} s" if record else summary["message"]
             print(f"[{version}] {spec}: {total}, bit-identical {identical}", flush=True)
-    overhead, recoveries = every_overhead["after"], every_recovery["after"]
+    overhead = {name: median_run(results) for name, results in every_overhead["after"].items()}
+    recoveries = every_recovery["after"]
     comparison = []
     if args.baseline:
         comparison = compare_versions(every_overhead, every_recovery, references, args.baseline)
@@ -226,7 +238,9 @@ def main() -> int:
         "gloo group, one over xmig's process group driven by `session.steps()` (step boundary "
         "included), steps alternating ABBA so the drift of this shared machine hits both "
         f"alike (`bench/proxy_overhead.py`). Medians over steps {WARMUP_STEPS} and later; the "
-        "ratio is the median of the per-pair ratios, with its interquartile range.",
+        "ratio is the median of the per-pair ratios, with its interquartile range"
+        + (f"; of {args.repeat} runs, the one with the median ratio" if args.repeat > 1 else "")
+        + ".",
         "",
         "| model | parameters | plain DDP (ms) | through xmig (ms) | ratio | IQR |",
         "|---|---|---|---|---|---|",
@@ -296,43 +310,84 @@ def main() -> int:
     return 0
 
 
+def median_run(results: list[dict]) -> dict:
+    """Of several paired runs, the one with the median ratio."""
+    ordered = sorted(results, key=lambda r: r["paired_ratio_median"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def spread(values: list[float], digits: int) -> str:
+    """The median of ``values``, with their range when there are several."""
+    middle = f"{statistics.median(values):.{digits}f}"
+    if len(values) == 1:
+        return middle
+    return f"{middle} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def describe_source(src: Path) -> str:
+    """``src`` and, when it is in a git checkout, that checkout's commit."""
+    found = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    commit = found.stdout.strip()
+    return f"`{src}` (commit {commit})" if found.returncode == 0 and commit else f"`{src}`"
+
+
 def compare_versions(overhead: dict, recoveries: dict, references: dict, baseline: Path) -> list:
-    """The before/after section: the same measurements of both versions, in one run."""
+    """The before/after section: the same measurements of both versions, in one run; with
+    repeats, medians of each version's runs and their range."""
     same = references["before"]["final_params_sha256"] == references["after"]["final_params_sha256"]
     lines = [
         "## Before and after, in the same run",
         "",
-        f"Before: the xmig in `{baseline}`; after: this checkout. Every measurement ran for "
-        "both, their order alternating from one measurement to the next. The fault-free runs "
-        f"of both end with {'the same' if same else 'DIFFERENT'} parameters.",
+        f"Before: the xmig in {describe_source(baseline)}; after: this checkout. Every "
+        "measurement ran for both, their order alternating from one measurement to the next. "
+        f"The fault-free runs of both end with {'the same' if same else 'DIFFERENT'} "
+        "parameters. With several runs of a measurement: the median and, in brackets, the "
+        "range.",
         "",
-        "| measurement | before | after | after / before |",
-        "|---|---|---|---|",
+        "| measurement | runs | before | after | after / before |",
+        "|---|---|---|---|---|",
     ]
-    for name in overhead["after"]:
-        b, a = (overhead[v][name]["paired_ratio_median"] for v in ("before", "after"))
-        lines.append(f"| steady state, {name} (paired ratio to plain DDP) | {b:.4f} | {a:.4f} | "
-                     f"{a / b:.4f} |")  # fmt: skip
+    for name, after_runs in overhead["after"].items():
+        b = [r["paired_ratio_median"] for r in overhead["before"][name]]
+        a = [r["paired_ratio_median"] for r in after_runs]
+        lines.append(f"| steady state, {name} (paired ratio to plain DDP) | {len(a)} | "
+                     f"{spread(b, 4)} | {spread(a, 4)} | "
+                     f"{statistics.median(a) / statistics.median(b):.4f} |")  # fmt: skip
+    by_case: dict[tuple[str, str], dict[str, list]] = {}
+    for version in ("before", "after"):
+        for spec, _, record, identical in recoveries[version]:
+            origin = "cold start"
+            if record is not None and all(record.get("from_spare") or [False]):
+                origin = "hot spare"
+            case = by_case.setdefault((spec, origin), {"before": [], "after": []})
+            case[version].append((record, identical))
     ratios = []
-    for (spec, _, before, ok_b), (_, _, after, ok_a) in zip(
-        recoveries["before"], recoveries["after"], strict=True
-    ):
-        if before is None or after is None:
-            lines.append(f"| recovery `{spec}` | {'ok' if before else 'FAILED'} | "
-                         f"{'ok' if after else 'FAILED'} | |")  # fmt: skip
+    for (spec, origin), case in by_case.items():
+        totals = {v: [r["total_s"] for r, _ in case[v] if r is not None] for v in case}
+        parks = {v: [r["phases"]["park"] * 1000 for r, _ in case[v] if r is not None]
+                 for v in case}  # fmt: skip
+        identical = {v: all(ok for _, ok in case[v]) for v in case}
+        if len(totals["before"]) < len(case["before"]) or len(totals["after"]) < len(case["after"]):
+            lines.append(f"| recovery `{spec}`, {origin} | | not every run recovered | | |")
             continue
-        origin = "hot spare" if all(after.get("from_spare") or [False]) else "cold start"
-        ratio = after["total_s"] / before["total_s"]
+        if not totals["before"] or not totals["after"]:
+            continue  # the versions chose differently between hot spare and cold start
+        ratio = statistics.median(totals["after"]) / statistics.median(totals["before"])
         ratios.append(ratio)
         lines.append(
-            f"| recovery `{spec}`, {origin} (s; bit-identical {ok_b}/{ok_a}) | "
-            f"{before['total_s']:.2f} | {after['total_s']:.2f} | {ratio:.3f} |"
+            f"| recovery `{spec}`, {origin} (s; bit-identical "
+            f"{identical['before']}/{identical['after']}) | "
+            f"{len(totals['before'])}/{len(totals['after'])} | {spread(totals['before'], 2)} | "
+            f"{spread(totals['after'], 2)} | {ratio:.3f} |"
         )
+        lines.append(f"| of it, park (ms) | | {spread(parks['before'], 1)} | "
+                     f"{spread(parks['after'], 1)} | |")  # fmt: skip
     if ratios:
         lines += [
             "",
             f"Recovery time after / before: median {statistics.median(ratios):.3f} "
-            f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(ratios)} faults.",
+            f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(ratios)} kinds of fault.",
             "",
         ]
     return lines

@@ -104,6 +104,20 @@ def test_each_order_reaches_its_handler():
                                  protocol.StateAnnounced}  # fmt: skip
 
 
+def test_orders_before_start_wait_and_then_come_in_order():
+    orders, parks, pauses = _orders()
+    park = protocol.Park(generation=2, replaced=[0])
+    rebuild = protocol.Rebuild(generation=2, mode="replay", step=4, source=1, pulls=[0])
+    orders.put(park)
+    orders.put(rebuild)
+    assert parks == [] and orders.plans.next(2, timeout=0.05) is None
+    orders.start()
+    assert parks == [park] and orders.plans.next(2, timeout=0.05) == rebuild
+    pause = protocol.Pause(generation=3, step=7)
+    orders.put(pause)  # once started, on the caller's thread at once
+    assert pauses == [pause]
+
+
 def test_an_abort_reaches_whoever_waits():
     orders, _, _ = _orders()
     orders.dispatch(protocol.Abort(reason="rank 3 died twice"))
@@ -150,20 +164,35 @@ def test_an_order_with_no_handler_is_logged(caplog):
     assert not parks and not pauses
 
 
-def test_one_thread_takes_every_order_in_turn():
-    seen, done = [], threading.Event()
+def test_orders_are_dispatched_one_at_a_time_on_the_callers_thread():
+    seen, busy, overlapped = [], threading.Lock(), []
 
     def on_park(order):
-        seen.append((threading.current_thread().name, order.generation))
-        if len(seen) == 3:
-            done.set()
+        if not busy.acquire(blocking=False):
+            overlapped.append(order.generation)
+            return
+        try:
+            seen.append((threading.current_thread().name, order.generation))
+            time.sleep(0.001)
+        finally:
+            busy.release()
 
     orders = Orders(0, on_park=on_park, on_pause=lambda _o: None)
     orders.start()
-    for generation in (1, 2, 3):
-        orders.put(protocol.Park(generation=generation, replaced=[1]))
-    assert done.wait(5.0)
-    assert seen == [("xmig-orders", 1), ("xmig-orders", 2), ("xmig-orders", 3)]
+
+    def reader(generations):
+        for generation in generations:
+            orders.put(protocol.Park(generation=generation, replaced=[1]))
+
+    threads = [threading.Thread(target=reader, name=f"reader{i}", args=(gens,))
+               for i, gens in enumerate(((1, 2, 3), (11, 12, 13)))]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5.0)
+    assert overlapped == []
+    for name, gens in (("reader0", [1, 2, 3]), ("reader1", [11, 12, 13])):
+        assert [g for n, g in seen if n == name] == gens
 
 
 def test_a_handler_that_fails_does_not_stop_the_consumer(caplog):

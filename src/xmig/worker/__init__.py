@@ -6,7 +6,7 @@
 - ``registry``: the objects a script registers (the state a replacement pulls)
 - ``hooks``: fault-injection hooks, and the optimizer's update under the state lock
 - ``loop``: the step loop behind ``session.steps()``
-- ``orders``: the one consumer of the coordinator's orders
+- ``orders``: the one dispatcher of the coordinator's orders (on the link's reader thread)
 - ``trouble``: a failed collective, sticky CUDA errors, the watchdog
 - ``survivor``: a survivor's recovery (park, position, rebuild, serve, replay or roll back)
 - ``replacement``: a replacement's join (receive, check, load, match DDP)
