@@ -167,6 +167,8 @@ def main() -> int:
         help="the src folder of another xmig to compare with, in the same run",
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of every measurement")
+    parser.add_argument("--recovery-only", action="store_true",
+                        help="leave the steady-state measurement out")  # fmt: skip
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -184,7 +186,7 @@ def main() -> int:
     # version -> size -> one result per repeat
     every_overhead: dict[str, dict[str, list[dict]]] = {v: {} for v in versions}
     turn = 0
-    for repeat in range(args.repeat):
+    for repeat in range(0 if args.recovery_only else args.repeat):
         for name, (model, steps) in SIZES.items():
             for version in in_turn(turn):
                 slug = f"{version}-{repeat}-{name.replace(' ', '_').replace('/', '-')}"
@@ -224,14 +226,7 @@ def main() -> int:
     ratios = [r["paired_ratio_median"] for r in overhead.values()]
     goal = ", ".join(f"{'met' if r <= 1.01 else 'not met'} ({r:.4f}, {n})"
                      for n, r in zip(overhead, ratios, strict=True))  # fmt: skip
-    lines = [
-        "# Recovery on CPU: steady-state overhead and recovery time",
-        "",
-        f"Measured {started} with `{command}` (the demo GPT, `{' '.join(MODEL)}`, "
-        f"{reference.get('world_size', 2)} ranks, gloo).",
-        "",
-        f"Machine: {machine()}.",
-        "",
+    steady_lines = [
         "## Steady state: plain DDP vs DDP through the proxy",
         "",
         "Both in the same two processes, over the same gloo transport: one DDP over a plain "
@@ -263,6 +258,19 @@ def main() -> int:
         "machine resolves: the interquartile ranges of the pair ratios span several percent. "
         "`--no-replay-log` drops the copy (a fault is then rolled back instead of replayed).",
         "",
+    ]
+    lines = [
+        "# Recovery on CPU: steady-state overhead and recovery time",
+        "",
+        f"Measured {started} with `{command}` (the demo GPT, `{' '.join(MODEL)}`, "
+        f"{reference.get('world_size', 2)} ranks, gloo).",
+        "",
+        f"Machine: {machine()}.",
+        "",
+    ]
+    if overhead:
+        lines += steady_lines
+    lines += [
         f"## Recovery: SIGKILL of rank 1 at step {FAULT_STEP}",
         "",
         "Seconds from the fault to the survivor's parked collective completing, by phase "

@@ -60,7 +60,12 @@ class ProtocolError(ValueError):
     """A frame that is not a message this receiver knows."""
 
 
-@dataclass(frozen=True)
+# a message class: frozen, its equality and repr the base's (a dataclass's own cost half
+# its making, and this module is imported by every process, a replacement's too, at its start)
+wire = dataclass(frozen=True, eq=False, repr=False)
+
+
+@wire
 class Message:
     """Base of every message; subclasses are registered with ``@message``."""
 
@@ -70,6 +75,18 @@ class Message:
     REQUEST: ClassVar[bool]  # the sender waits for a reply
     RELAY: ClassVar[Relay | None]  # a coordinator's order an agent hands to workers
     FORWARD: ClassVar[bool]  # a worker's report an agent hands to the coordinator
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._values() == self._values()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # fields hold lists and dicts
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({fields})"
 
 
 CATALOGUE: dict[str, type[Message]] = {}
@@ -146,7 +163,7 @@ class Position:
 
 # ---- worker → agent ------------------------------------------------------------------------
 @message("hello", W, A, request=True)
-@dataclass(frozen=True)
+@wire
 class Hello(Message):
     rank: int
     pid: int
@@ -154,21 +171,21 @@ class Hello(Message):
 
 
 @message("hb", W, A)
-@dataclass(frozen=True)
+@wire
 class Heartbeat(Message):
     step: int | None
     t: float
 
 
 @message("step", W, A)
-@dataclass(frozen=True)
+@wire
 class StepStarted(Message):
     step: int
     t: float
 
 
 @message("injecting", W, A, request=True)
-@dataclass(frozen=True)
+@wire
 class Injecting(Message):
     """An injected fault is about to happen (its time is the fault's time)."""
 
@@ -178,7 +195,7 @@ class Injecting(Message):
 
 
 @message("error", W, A, request=True)
-@dataclass(frozen=True)
+@wire
 class WorkerError(Message):
     """An exception is about to end the worker."""
 
@@ -188,7 +205,7 @@ class WorkerError(Message):
 
 
 @message("comm_error", W, A)
-@dataclass(frozen=True)
+@wire
 class CommError(Message):
     """A collective failed in a live worker; its proxy holds the framework."""
 
@@ -199,7 +216,7 @@ class CommError(Message):
 
 
 @message("ready_for_dump", W, A, request=True)
-@dataclass(frozen=True)
+@wire
 class ReadyForDump(Message):
     gpu: str | None
     gpu_bytes: int
@@ -207,7 +224,7 @@ class ReadyForDump(Message):
 
 
 @message("done", W, A, request=True)
-@dataclass(frozen=True)
+@wire
 class Done(Message):
     steps: int
     params_sha256: str | None
@@ -216,7 +233,7 @@ class Done(Message):
 
 # ---- worker → coordinator, forwarded by its agent (which sets ``rank``) ----------------------
 @message("parked", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class Parked(Message):
     generation: int
     position: Position
@@ -225,19 +242,23 @@ class Parked(Message):
 
 
 @message("recovered", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class Recovered(Message):
+    """``replay_check``: a survivor's replay, as ``ReplayCheck.to_json()`` (how many of the
+    done ops it re-issued came out with their first result, how many did not and which)."""
+
     generation: int
     role: str  # survivor or replacement
     phases: dict[str, float]
     pull: dict[str, Any] | None
     t_resumed: float
+    replay_check: dict[str, Any] | None = None
     rank: int = -1
     t: float = 0.0
 
 
 @message("recovery_failed", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class RecoveryFailed(Message):
     error: str
     rank: int = -1
@@ -245,7 +266,7 @@ class RecoveryFailed(Message):
 
 
 @message("paused", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class Paused(Message):
     generation: int
     step: int
@@ -254,7 +275,7 @@ class Paused(Message):
 
 
 @message("pause_refused", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class PauseRefused(Message):
     """The rank has already begun the step it was to pause at: ``step`` is where it is."""
 
@@ -265,7 +286,7 @@ class PauseRefused(Message):
 
 
 @message("rejoined", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class Rejoined(Message):
     generation: int
     netns: int
@@ -274,7 +295,7 @@ class Rejoined(Message):
 
 
 @message("resumed", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class Resumed(Message):
     generation: int
     rank: int = -1
@@ -282,7 +303,7 @@ class Resumed(Message):
 
 
 @message("unreachable_faults", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class UnreachableFaults(Message):
     total: int
     faults: list[dict[str, Any]]
@@ -291,7 +312,7 @@ class UnreachableFaults(Message):
 
 
 @message("state_sent", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class StateSent(Message):
     """The serving rank's digest of the state it sent to ``target``."""
 
@@ -303,7 +324,7 @@ class StateSent(Message):
 
 
 @message("verify", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class Verify(Message):
     """A checksum of the rank's replica after a recovery (None: no replica to compare)."""
 
@@ -315,7 +336,7 @@ class Verify(Message):
 
 
 @message("not_bit_identical", W, C, forward=True)
-@dataclass(frozen=True)
+@wire
 class NotBitIdentical(Message):
     generation: int
     why: str
@@ -325,7 +346,7 @@ class NotBitIdentical(Message):
 
 # ---- agent → coordinator -------------------------------------------------------------------
 @message("agent_hello", A, C, request=True)
-@dataclass(frozen=True)
+@wire
 class AgentHello(Message):
     """Reply: ``{"job": JobSpec JSON, "generation": int}``."""
 
@@ -335,13 +356,13 @@ class AgentHello(Message):
 
 
 @message("agent_alive", A, C)
-@dataclass(frozen=True)
+@wire
 class AgentAlive(Message):
     pass
 
 
 @message("node_dying", A, C, request=True)
-@dataclass(frozen=True)
+@wire
 class NodeDying(Message):
     """An injected node loss: the node's processes die right after the reply."""
 
@@ -351,7 +372,7 @@ class NodeDying(Message):
 
 
 @message("worker_started", A, C)
-@dataclass(frozen=True)
+@wire
 class WorkerStarted(Message):
     rank: int
     node: int
@@ -362,7 +383,7 @@ class WorkerStarted(Message):
 
 
 @message("worker_joined", A, C)
-@dataclass(frozen=True)
+@wire
 class WorkerJoined(Message):
     """The worker connected to its agent (``xmig.init()``)."""
 
@@ -373,21 +394,21 @@ class WorkerJoined(Message):
 
 
 @message("spares", A, C)
-@dataclass(frozen=True)
+@wire
 class Spares(Message):
     node: int
     ready: int
 
 
 @message("progress", A, C)
-@dataclass(frozen=True)
+@wire
 class Progress(Message):
     rank: int
     step: int
 
 
 @message("worker_done", A, C)
-@dataclass(frozen=True)
+@wire
 class WorkerDone(Message):
     rank: int
     steps: int
@@ -396,7 +417,7 @@ class WorkerDone(Message):
 
 
 @message("criu", A, C)
-@dataclass(frozen=True)
+@wire
 class CriuStatus(Message):
     node: int
     usable: bool
@@ -405,7 +426,7 @@ class CriuStatus(Message):
 
 
 @message("worker_exited", A, C)
-@dataclass(frozen=True)
+@wire
 class WorkerExited(Message):
     """The worker exited with code 0 (a failure is a ``Fault``)."""
 
@@ -415,13 +436,13 @@ class WorkerExited(Message):
 
 
 @message("fault", A, C)
-@dataclass(frozen=True)
+@wire
 class Fault(Message):
     record: FaultRecord
 
 
 @message("stopped", A, C)
-@dataclass(frozen=True)
+@wire
 class Stopped(Message):
     """Every worker of the node has been stopped and reaped."""
 
@@ -429,7 +450,7 @@ class Stopped(Message):
 
 
 @message("dumped", A, C)
-@dataclass(frozen=True)
+@wire
 class Dumped(Message):
     rank: int
     node: int
@@ -450,7 +471,7 @@ class Dumped(Message):
 
 
 @message("restored", A, C)
-@dataclass(frozen=True)
+@wire
 class Restored(Message):
     rank: int
     node: int
@@ -467,13 +488,13 @@ class Restored(Message):
 
 # ---- launcher / CLI → coordinator ----------------------------------------------------------
 @message("wait_result", L, C, request=True)
-@dataclass(frozen=True)
+@wire
 class WaitResult(Message):
     """Subscribe to the job's outcome (a ``Result`` push)."""
 
 
 @message("stop", L, C, request=True)
-@dataclass(frozen=True)
+@wire
 class StopJob(Message):
     """Reply: ``{"stopping": bool}`` (False: the job was already ending)."""
 
@@ -481,13 +502,13 @@ class StopJob(Message):
 
 
 @message("status", L, C, request=True)
-@dataclass(frozen=True)
+@wire
 class StatusRequest(Message):
     """Reply: ``{"status": {...}}``."""
 
 
 @message("inject", L, C, request=True)
-@dataclass(frozen=True)
+@wire
 class InjectRequest(Message):
     """Reply: ``{"fault": str}``, or refused with why."""
 
@@ -495,7 +516,7 @@ class InjectRequest(Message):
 
 
 @message("migrate", L, C, request=True)
-@dataclass(frozen=True)
+@wire
 class MigrateRequest(Message):
     """Reply: ``{"migration": str}``, or refused with why."""
 
@@ -505,14 +526,14 @@ class MigrateRequest(Message):
 
 # ---- coordinator → launcher ----------------------------------------------------------------
 @message("result", C, L)
-@dataclass(frozen=True)
+@wire
 class Result(Message):
     summary: dict[str, Any]
 
 
 # ---- coordinator → agents ------------------------------------------------------------------
 @message("respawn", C, A)
-@dataclass(frozen=True)
+@wire
 class Respawn(Message):
     rank: int
     generation: int
@@ -522,7 +543,7 @@ class Respawn(Message):
 
 
 @message("restore", C, A)
-@dataclass(frozen=True)
+@wire
 class Restore(Message):
     generation: int
     rank: int
@@ -539,27 +560,27 @@ class Restore(Message):
 
 
 @message("stop_workers", C, A)
-@dataclass(frozen=True)
+@wire
 class StopWorkers(Message):
     grace: float
 
 
 @message("shutdown", C, A)
-@dataclass(frozen=True)
+@wire
 class Shutdown(Message):
     pass
 
 
 # ---- coordinator → workers, through their agents --------------------------------------------
 @message("park", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class Park(Message):
     generation: int
     replaced: list[int]
 
 
 @message("rebuild", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class Rebuild(Message):
     """The recovery plan: resume at ``step`` by ``mode`` (replay or rollback), the state
     served by ``source`` to the ranks in ``pulls``."""
@@ -574,20 +595,20 @@ class Rebuild(Message):
 
 
 @message("abort", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class Abort(Message):
     reason: str
 
 
 @message("pause", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class Pause(Message):
     generation: int
     step: int
 
 
 @message("dump", C, A, relay=Relay.RANK)
-@dataclass(frozen=True)
+@wire
 class Dump(Message):
     generation: int
     rank: int
@@ -597,19 +618,19 @@ class Dump(Message):
 
 
 @message("resume", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class Resume(Message):
     generation: int
 
 
 @message("release", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class Release(Message):
     """Every rank has finished: a finished rank may exit."""
 
 
 @message("state_digest", C, A, relay=Relay.ALL)
-@dataclass(frozen=True)
+@wire
 class StateAnnounced(Message):
     """To the rank that received state: the digest its sender announced."""
 
@@ -620,7 +641,7 @@ class StateAnnounced(Message):
 
 
 @message("inject_fault", C, A, relay=Relay.RANK)
-@dataclass(frozen=True)
+@wire
 class InjectFault(Message):
     fault: dict[str, Any]
 
