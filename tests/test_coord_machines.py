@@ -289,6 +289,76 @@ def test_a_recovery_notes_each_phase_and_each_ranks_report_for_the_event_log():
     assert [n["after_s"] for n in notes] == sorted(n["after_s"] for n in notes)
 
 
+def _recovered(job, replay_check, t=T0 + 0.5):
+    """Rank 0 parks and recovers with ``replay_check``, rank 1's replacement joins: the
+    orders of the last report (the recovery settles)."""
+    job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2)
+    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0 + 0.25), T0 + 0.25)
+    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": t}
+    job.on(Recovered(generation=1, role="survivor", rank=0, replay_check=replay_check,
+                     **report), t)  # fmt: skip
+    return job.on(Recovered(generation=1, role="replacement", rank=1, **report), t)
+
+
+def _summary_record(job):
+    from xmig.coord.summary import summary
+
+    return summary(job, T0 + 1)["recoveries"][0]
+
+
+@pytest.mark.parametrize("check, verified, words", [
+    ({"compared": 2, "unverifiable": 0, "differ": []}, True, "verified: 2 replayed"),
+    ({"compared": 0, "unverifiable": 0, "differ": []}, "unverifiable", "unverifiable: no coll"),
+    (None, "unverifiable", "unverifiable: no collective"),
+])  # fmt: skip
+def test_a_recovery_says_what_its_replay_showed(check, verified, words):
+    job, _ = recovering_job()
+    orders = _recovered(job, check)
+    assert job.state is S.RUNNING
+    (line,) = [text for text in said(orders) if text.startswith("recovered rank 1")]
+    assert words in line
+    assert _summary_record(job)["verified"] == verified
+
+
+def test_a_replay_that_came_out_different_is_not_bit_identical_and_the_job_goes_on():
+    job, _ = recovering_job()
+    check = {"compared": 2, "unverifiable": 0,
+             "differ": [{"step": 3, "index": 0, "op": "allreduce"}]}  # fmt: skip
+    orders = _recovered(job, check)
+    assert job.state is S.RUNNING
+    warning = [t for t in said(orders) if t.startswith("warning:")]
+    assert warning and "op 0 of step 3 (allreduce) came out different" in warning[0]
+    assert "rank 1's inputs for step 3 differ" in warning[0]
+    record = _summary_record(job)
+    assert (
+        record["verified"] is False and "not a function of the step" in record["not_bit_identical"]
+    )
+
+
+def test_with_strict_a_replay_that_came_out_different_stops_the_job():
+    job, _ = recovering_job(strict=True)
+    check = {"compared": 1, "unverifiable": 0,
+             "differ": [{"step": 3, "index": 0, "op": "allreduce"}]}  # fmt: skip
+    orders = _recovered(job, check)
+    assert job.state is S.STOPPING
+    assert any(t.startswith("stopping: --strict: the replayed step is not bit-identical")
+               for t in said(orders))  # fmt: skip
+    assert sent(orders, Release) == []
+
+
+def test_with_strict_a_report_that_the_recovery_cannot_be_bit_identical_stops_the_job():
+    from xmig.protocol import NotBitIdentical
+
+    for strict, state in ((False, S.RUNNING), (True, S.STOPPING)):
+        job, _ = recovering_job(strict=strict)
+        _recovered(job, {"compared": 1, "unverifiable": 0, "differ": []})
+        orders = job.on(NotBitIdentical(generation=1, why="the data stream is elsewhere",
+                                        rank=1), T0 + 0.7)  # fmt: skip
+        assert job.state is state
+        assert any("the data stream is elsewhere" in t for t in said(orders))
+        assert _summary_record(job)["verified"] is False
+
+
 def test_the_source_digest_is_relayed_and_another_ranks_ignored():
     job, _ = recovering_job(nnodes=3)
     for rank in (0, 2):

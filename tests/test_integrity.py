@@ -101,7 +101,8 @@ def test_a_client_without_the_token_cannot_touch_the_communicators(tmp_path, tmp
     assert attacker.writes > 0
     assert result.returncode == 0, result.output
     assert result.summary["final_params_sha256"] == expected
-    assert [r["verified"] for r in result.summary["recoveries"]] == [True]
+    assert [r["replicas_equal"] for r in result.summary["recoveries"]] == [True]
+    assert result.summary["recoveries"][0]["verified"] is not False
 
 
 def test_garbage_under_a_leaked_prefix_stops_the_job_naming_the_store(tmp_path):

@@ -189,3 +189,70 @@ def test_serve_locally_allreduce_returns_the_inputs_unchanged():
     result = rec.serve_locally(world_size=4)
     assert len(result) == 1 and result[0] is t
     assert torch.equal(t, torch.tensor([1.0, -2.0, 3.0]))
+
+
+# ---- a replay's check of what it re-reduces --------------------------------------------------
+
+
+def _done_allreduce(result):
+    """An allreduce that completed with ``result`` in its tensor, as the proxy keeps it."""
+    tensor = result.clone()
+    record = _record("allreduce", ([tensor], _allreduce_opts()), inputs=[torch.zeros(3)])
+    record.note_outputs()
+    return record, tensor
+
+
+def test_a_replay_that_reduces_the_same_is_equal_bit_for_bit():
+    record, _ = _done_allreduce(torch.tensor([1.0, float("nan"), -2.5]))
+    assert record.compare_replay(([torch.tensor([1.0, float("nan"), -2.5])], None)) is True
+    assert record.compare_replay(([torch.tensor([1.0, float("nan"), -2.4])], None)) is False
+    zero, _ = _done_allreduce(torch.tensor([0.0, 1.0, 2.0]))
+    assert zero.compare_replay(([torch.tensor([-0.0, 1.0, 2.0])], None)) is False  # bits
+
+
+def test_a_result_the_framework_wrote_into_since_cannot_be_compared():
+    record, tensor = _done_allreduce(torch.tensor([1.0, 2.0, 3.0]))
+    tensor.div_(2)  # e.g. a communication hook dividing the result afterwards
+    assert record.compare_replay(([torch.tensor([0.5, 1.0, 1.5])], None)) is None
+    barrier = _record("barrier", ())
+    barrier.note_outputs()
+    assert barrier.compare_replay(()) is None  # nothing to compare
+
+
+def test_a_replay_check_counts_and_names_what_differs():
+    from xmig.proxy import ReplayCheck
+
+    check = ReplayCheck()
+    same, _ = _done_allreduce(torch.ones(3))
+    check.add(same, True)
+    check.add(same, None)
+    same.step, same.index = 5, 2
+    check.add(same, False)
+    assert check.to_json() == {"compared": 2, "unverifiable": 1,
+                               "differ": [{"step": 5, "index": 2, "op": "allreduce"}]}  # fmt: skip
+
+
+def test_the_verdict_of_a_recovery():
+    from xmig.bitwise import UNVERIFIABLE, combine_replays, describe_verdict, verdict
+
+    replay = combine_replays([{"compared": 2, "unverifiable": 1, "differ": []}, None,
+                              {"compared": 1, "unverifiable": 0, "differ": []}])  # fmt: skip
+    assert replay == {"compared": 3, "unverifiable": 1, "differ": []}
+    assert verdict(replay, True, None) is True
+    assert verdict(replay, None, "the data stream is elsewhere") is False
+    assert verdict(replay, False, None) is False
+    assert verdict({"compared": 0, "unverifiable": 2, "differ": []}, True, None) == UNVERIFIABLE
+    assert verdict(None, True, None) == UNVERIFIABLE
+    differ = {"compared": 1, "unverifiable": 0, "differ": [{"step": 1, "index": 0, "op": "x"}]}
+    assert verdict(differ, True, None) is False
+    assert describe_verdict(differ, "respawn") == "NOT bit-identical"
+    assert describe_verdict(replay, "rollback").startswith("unverifiable: the step was rolled")
+    assert describe_verdict(replay, "respawn").startswith("verified: 3 replayed")
+
+
+def test_a_replacement_ends_an_op_with_the_result_it_was_sent():
+    record, tensor = _done_allreduce(torch.tensor([1.0, 2.0, 4.0]))
+    assert record.take_result([torch.tensor([1.0, 2.0, 3.0])]) is True  # its own differed
+    assert torch.equal(tensor, torch.tensor([1.0, 2.0, 3.0]))
+    assert record.take_result([torch.tensor([1.0, 2.0, 3.0])]) is False
+    assert record.outputs_intact() is False  # written into since it completed

@@ -15,6 +15,7 @@ from xmig.jobspec import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     DEFAULT_RECOVERY_TIMEOUT_S,
+    DEFAULT_STRICT,
     JobSpec,
 )
 
@@ -30,6 +31,8 @@ GENERATION = "XMIG_GENERATION"
 KEEP_LOG = "XMIG_KEEP_LOG"
 RECOVERY_TIMEOUT = "XMIG_RECOVERY_TIMEOUT"
 LOG_LEVEL = "XMIG_LOG_LEVEL"
+STRICT = "XMIG_STRICT"
+TRACE_DIR = "XMIG_TRACE_DIR"
 
 ROLE_NAME = "default"  # torchrun's one role
 
@@ -53,6 +56,8 @@ class WorkerEnv:
     keep_log: bool = DEFAULT_KEEP_LOG
     recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S
     log_level: str = DEFAULT_LOG_LEVEL
+    strict: bool = DEFAULT_STRICT
+    trace_dir: str | None = None
     faults: list[FaultSpec] = field(default_factory=list)
     # job-wide numbers torchrun also hands its workers; left out of the environment when unknown
     nnodes: int | None = None
@@ -97,6 +102,8 @@ class WorkerEnv:
             keep_log=spec.keep_log,
             recovery_timeout=spec.recovery_timeout,
             log_level=spec.log_level,
+            strict=spec.strict,
+            trace_dir=spec.trace_dir,
             faults=faults,
             nnodes=spec.nnodes,
             local_world_size=spec.nproc_per_node,
@@ -136,6 +143,7 @@ class WorkerEnv:
             KEEP_LOG: "1" if self.keep_log else "0",
             RECOVERY_TIMEOUT: str(self.recovery_timeout),
             LOG_LEVEL: self.log_level,
+            STRICT: "1" if self.strict else "0",
             INJECT: json.dumps([f.to_json() for f in self.faults]),
         }
         if self.nnodes is not None:
@@ -149,6 +157,8 @@ class WorkerEnv:
             env[TOKEN] = self.token
         if self.agent_addr:
             env[AGENT_ADDR] = self.agent_addr
+        if self.trace_dir:
+            env[TRACE_DIR] = self.trace_dir
         return env
 
     @classmethod
@@ -171,6 +181,8 @@ class WorkerEnv:
             keep_log=env.get(KEEP_LOG, "1" if DEFAULT_KEEP_LOG else "0") != "0",
             recovery_timeout=float(env.get(RECOVERY_TIMEOUT, DEFAULT_RECOVERY_TIMEOUT_S)),
             log_level=env.get(LOG_LEVEL, DEFAULT_LOG_LEVEL),
+            strict=env.get(STRICT, "1" if DEFAULT_STRICT else "0") == "1",
+            trace_dir=env.get(TRACE_DIR) or None,
             faults=faults,
             nnodes=_int_or_none(env.get("GROUP_WORLD_SIZE")),
             local_world_size=_int_or_none(env.get("LOCAL_WORLD_SIZE")),

@@ -33,6 +33,7 @@ DEFAULT_HOT_SPARES = 1
 DEFAULT_SPARE_NODES = 0
 DEFAULT_SIMULATE_HOSTS = False
 DEFAULT_LOG_LEVEL = "INFO"
+DEFAULT_STRICT = False
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 """The levels ``--log-level`` takes, most detailed first."""
@@ -75,6 +76,8 @@ class JobSpec:
     spare_nodes: int = DEFAULT_SPARE_NODES
     simulate_hosts: bool = DEFAULT_SIMULATE_HOSTS
     log_level: str = DEFAULT_LOG_LEVEL
+    strict: bool = DEFAULT_STRICT  # a recovery shown not to be bit-identical stops the job
+    trace_dir: str | None = None  # where workers write what they issue (``xmig check``)
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field

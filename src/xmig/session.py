@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +24,7 @@ from xmig.state import params_sha256
 from xmig.wire import WireError
 from xmig.worker.backend import init_process_group
 from xmig.worker.context import WorkerContext
+from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, XmigError
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.layout import DdpLayout
@@ -36,6 +38,8 @@ from xmig.worker.trouble import is_sticky_cuda_error, on_trouble
 from xmig.worker.verify import Verifier
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+logger = logging.getLogger(__name__)
 
 
 class Session:
@@ -57,6 +61,7 @@ class Session:
         survivor = Survivor(ctx, layout, verifier, gate)
         migration = Migration(ctx)
         replacement = Replacement(ctx, layout, verifier) if env.replacement else None
+        self._replacement = replacement
         ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause)
         self._loop = StepLoop(ctx, gate, layout, verifier, survivor, migration, replacement)
         if env.managed:
@@ -81,6 +86,7 @@ class Session:
             on_trouble=lambda error: on_trouble(ctx, error),
             # a replacement serves its prologue (DDP's construction) locally
             mode="local" if ctx.env.replacement else "normal",
+            on_issue=ctx.tracer.op if ctx.tracer is not None else None,
         )
 
     @property
@@ -111,6 +117,39 @@ class Session:
         travels too; hashed at the end), ``optimizer=``, and any other object with
         ``state_dict``/``load_state_dict`` (an LR scheduler, a data sampler)."""
         self._ctx.registry.register(**objects)
+
+    def batches(self, source: Iterable[Any], name: str = "data") -> Batches:
+        """Iterate ``source`` through this: its position travels with the state, so a
+        replacement draws exactly the batches its failed rank would have drawn.
+
+        ``source`` is a ``DataLoader`` (or any iterable: drawn from endlessly, epoch after
+        epoch, its sampler's ``set_epoch`` called at each) or an iterator or generator (once
+        through). Every batch is a function of the job's seed, the rank and its position, so
+        a batch may be drawn anywhere: at the top of a step, prefetched at the end of the one
+        before, or several per step. Call it before ``steps()``; ``name`` tells several
+        streams apart."""
+        ctx = self._ctx
+        if ctx.phase.current is not WorkerPhase.STARTING:
+            raise XmigError("session.batches() must be called before session.steps()")
+        resume_from = None
+        if self._replacement is not None:
+            replacement = self._replacement
+
+            def resume_from() -> tuple[dict[str, Any], int]:
+                try:
+                    return replacement.stream_state(name)
+                except RecoveryFailed as exc:  # the coordinator hears why, and stops the job
+                    ctx.die(f"recovery failed: {exc}")
+
+        def mismatch(why: str) -> None:
+            logger.warning("rank %d: %s", ctx.rank, why)
+            ctx.send(protocol.NotBitIdentical(generation=ctx.env.generation, why=why,
+                                              t=time.time()))  # fmt: skip
+
+        stream = Batches(source, name=name, seed=ctx.seed, rank=ctx.rank,
+                         resume_from=resume_from, mismatch=mismatch)  # fmt: skip
+        ctx.registry.add_stream(stream)
+        return stream
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a replacement needs, as of now (call with the state lock held)."""
@@ -187,6 +226,7 @@ def init(
 
 
 __all__ = [
+    "Batches",
     "RecoveryFailed",
     "ReplayMismatch",
     "Session",

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from xmig.bitwise import replay_divergence
 from xmig.coord import decide, summary
 from xmig.coord.migration import Migration, MigrationPhase, images_dir, shared_images
 from xmig.coord.orders import (
@@ -416,13 +417,31 @@ class Job:
         )
 
     def _settled(self, settled: Settled, now: float) -> list[Order]:
-        """A recovery or migration has finished: keep its record, run on, say so."""
+        """A recovery or migration has finished: keep its record, run on, say so (and that
+        its replay came out different, which with ``--strict`` stops the job)."""
+        record, why = settled.record, None
         if self.recovery is not None:
-            self.recoveries.append(settled.record)
+            self.recoveries.append(record)
+            differ = (record.get("replay") or {}).get("differ")
+            why = replay_divergence(differ[0], record["ranks"]) if differ else None
         else:
-            self.migrations.append(settled.record)
+            self.migrations.append(record)
         self.recovery = self.migration = None
-        return [*self._enter(S.RUNNING, now), Say(settled.line), *self._maybe_release(now)]
+        orders = [*self._enter(S.RUNNING, now), Say(settled.line)]
+        if why is None:
+            return [*orders, *self._maybe_release(now)]
+        orders += self._not_bit_identical(record["generation"], why)
+        if self.spec.strict:
+            return [*orders, *self._distrust(f"--strict: {why}", now)]
+        return [*orders, *self._maybe_release(now)]
+
+    def _not_bit_identical(self, generation: int, why: str) -> list[Order]:
+        """Record why the recovery of ``generation`` cannot be the fault-free run; the
+        warning for the user."""
+        checks = self.checks.setdefault(generation, {"verified": None, "sums": {}})
+        checks.setdefault("not_bit_identical", why)
+        return [Say(f"warning: the recovery of generation {generation} is not bit-identical "
+                    f"to a run without the fault: {why}", logging.WARNING)]  # fmt: skip
 
     def _give_up(self, what: str, reason: str, now: float) -> list[Order]:
         """End a recovery or migration that cannot finish: every worker is told, the job stops
@@ -437,10 +456,12 @@ class Job:
         job stops) and whether the recovered run can still be the fault-free run's."""
         checks = self.checks.setdefault(msg.generation, {"verified": None, "sums": {}})
         if isinstance(msg, NotBitIdentical):
-            checks["not_bit_identical"] = msg.why
-            return [Say(f"warning: the recovery of generation {msg.generation} is not "
-                        f"bit-identical to a run without the fault: {msg.why}",
-                        logging.WARNING)]  # fmt: skip
+            if "not_bit_identical" in checks:
+                return []  # one warning a recovery
+            orders = self._not_bit_identical(msg.generation, msg.why)
+            if self.spec.strict and self.state in LIVE:
+                orders += self._distrust(f"--strict: {msg.why}", now)
+            return orders
         checks["sums"][msg.rank] = msg.checksum
         if len(checks["sums"]) < self.spec.world_size:
             return []

@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from xmig.bitwise import combine_replays, describe_verdict
 from xmig.coord.orders import GiveUp, Note, Order, Settled, ToAll
 from xmig.protocol import (
     FaultRecord,
@@ -229,6 +230,7 @@ class Recovery:
             mode = "rollback"
         else:
             mode = "respawn" if self.replaced else "in-place retry"
+        replay = combine_replays([r.replay_check for r in survivors])
         phases = {
             "detect": float(fault.detected_after_s or 0.0),
             "park": (self.parked_at or self.started) - self.started,
@@ -254,6 +256,7 @@ class Recovery:
             "pull_bytes": pull_bytes,
             "pull_gb_per_s": round(pull_bytes / pull_s / 1e9, 3) if pull_s > 0 else None,
             "pull_setup_s": round(setup_s, 4),
+            "replay": replay,
         }
 
 
@@ -268,4 +271,4 @@ def describe_recovery(record: dict[str, Any]) -> str:
     )
     if record.get("why_rollback"):
         text += f"; rolled back because {record['why_rollback']}"
-    return text
+    return f"{text}; {describe_verdict(record.get('replay'), record['mode'])}"

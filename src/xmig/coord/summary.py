@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
+from xmig.bitwise import verdict
 from xmig.coord.job import describe_fault
 from xmig.faults.spec import FaultSpec
 from xmig.protocol import FaultRecord
@@ -46,10 +47,14 @@ def status(job: Job) -> dict[str, Any]:
 
 
 def _with_checks(job: Job, record: dict[str, Any]) -> dict[str, Any]:
+    """A recovery's record with what was found after it: whether the replicas' checksums
+    agreed, why it cannot be the fault-free run (if something says so), and the verdict."""
     checks = job.checks.get(int(record["generation"]), {})
-    extra = {"verified": checks.get("verified")}
-    if checks.get("not_bit_identical"):
-        extra["not_bit_identical"] = checks["not_bit_identical"]
+    extra: dict[str, Any] = {"replicas_equal": checks.get("verified")}
+    why = checks.get("not_bit_identical")
+    if why:
+        extra["not_bit_identical"] = why
+    extra["verified"] = verdict(record.get("replay"), checks.get("verified"), why)
     return {**record, **extra}
 
 

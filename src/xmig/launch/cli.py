@@ -30,9 +30,11 @@ from xmig.jobspec import (
     DEFAULT_SIMULATE_HOSTS,
     DEFAULT_SPARE_NODES,
     DEFAULT_STOP_GRACE_S,
+    DEFAULT_STRICT,
     JobSpec,
     JobSpecError,
 )
+from xmig.launch.check import CheckError, run_check
 from xmig.launch.doctor import run_doctor
 from xmig.launch.hosts import HostSetupError, check_can_simulate
 from xmig.launch.launcher import Launcher, LaunchError, find_job
@@ -160,6 +162,18 @@ def run(
             help="Logging detail of xmig's processes: DEBUG, INFO, WARNING or ERROR.",
         ),
     ] = DEFAULT_LOG_LEVEL,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Stop the job when a recovery is shown not to be bit-identical (its replayed "
+            "collectives come out different), instead of going on with a warning.",
+        ),
+    ] = DEFAULT_STRICT,
+    trace_dir: Annotated[
+        Path | None,
+        typer.Option(hidden=True, help="Write what every rank issues here (xmig check)."),
+    ] = None,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -190,6 +204,8 @@ def run(
         spare_nodes=spare_nodes,
         simulate_hosts=simulate_hosts,
         log_level=log_level.upper(),
+        strict=strict,
+        trace_dir=str(trace_dir.resolve()) if trace_dir is not None else None,
     )
     if simulate_hosts:
         if master_addr != DEFAULT_MASTER_ADDR:
@@ -323,6 +339,44 @@ def stop_cmd(
     as failed with REASON."""
     reply = _request(job, coord, token, "stop refused", "stop", reason=reason)
     print("xmig: stopping the job" if reply.get("stopping") else "xmig: the job is already ending")
+
+
+@app.command(
+    "check",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def check_cmd(
+    run_args: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="[RUN OPTIONS] SCRIPT [ARGS]...",
+            help="What xmig run would get: its options, the script and the script's arguments "
+            "(make it short: a few steps).",
+        ),
+    ],
+    rank: Annotated[
+        int | None, typer.Option(help="The rank to replace (default: the last one).")
+    ] = None,
+    step: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="A step to replace it at (repeatable; default: 0, 2 after DDP's bucket "
+            "rebuild, and 3)."
+        ),
+    ] = None,
+    run_timeout: Annotated[float, typer.Option(help="Seconds one run may take.")] = 600.0,
+    keep: Annotated[
+        Path | None, typer.Option(help="Keep the runs' logs and traces in this folder.")
+    ] = None,
+) -> None:
+    """Tell, before any fault, whether SCRIPT recovers bit-identically: run it without a
+    fault twice, then with a rank replaced at chosen steps, and compare what the replacement
+    issues with what the original rank issued. This command's options come first."""
+    try:
+        code = run_check(list(run_args), rank, list(step or []), keep, run_timeout)
+    except CheckError as exc:
+        raise click.UsageError(str(exc)) from None
+    raise typer.Exit(code)
 
 
 @app.command("doctor")

@@ -32,6 +32,12 @@ INPUT_ARGS: dict[str, tuple[int, ...]] = {
     "recv_anysource": (),
     "barrier": (),
 }
+# positions of the arguments the op writes its result into, on every rank (reduce and gather
+# leave theirs undefined off the root; a send writes nothing)
+OUTPUT_ARGS: dict[str, tuple[int, ...]] = {
+    op: () if op in ("reduce", "gather", "send", "recv_anysource", "barrier") else (0,)
+    for op in INPUT_ARGS
+}
 # the arguments that carry tensors (the rest are options, ranks, tags)
 TENSOR_ARGS: dict[str, tuple[int, ...]] = {
     op: (0, 1)
@@ -96,6 +102,21 @@ def signature_of(op: str, args: tuple[Any, ...]) -> str:
         if not isinstance(a, (list, tuple, torch.Tensor))
     ]
     return f"{op}|{'|'.join(shapes)}|{','.join(o for o in options if o)}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if flat_a.dtype.is_floating_point or flat_a.dtype.is_complex:
+        # bits, not values: NaN equals itself, -0.0 differs from 0.0
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        size = flat_a.element_size()
+        if size in width:
+            flat_a, flat_b = flat_a.view(width[size]), flat_b.view(width[size])
+        else:  # complex128: two int64 per element
+            flat_a, flat_b = flat_a.view(torch.uint8), flat_b.view(torch.uint8)
+    return bool(torch.equal(flat_a, flat_b))
 
 
 def signature_digest(signatures: list[str]) -> str:
@@ -173,12 +194,52 @@ class OpRecord:
     done_event: threading.Event = field(default_factory=threading.Event)
     device: Any = None  # the CUDA device of its tensors (None on CPU)
     int_broadcast: IntBroadcast | None = None
+    # the version counters of its outputs once complete: unchanged at a replay, the outputs
+    # still hold its result, which the replay's must equal
+    output_versions: list[int] | None = None
 
     @property
     def input_tensors(self) -> list[torch.Tensor]:
         return [
             t for i in INPUT_ARGS[self.op] if i < len(self.args) for t in tensors_in(self.args[i])
         ]
+
+    def outputs_of(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        return [t for i in OUTPUT_ARGS[self.op] if i < len(args) for t in tensors_in(args[i])]
+
+    def note_outputs(self) -> None:
+        """The op is complete: remember where its outputs' versions stand."""
+        self.output_versions = [t._version for t in self.outputs_of(self.args)]
+
+    def outputs_intact(self) -> bool:
+        """Whether its outputs still hold its result (nothing wrote into them since)."""
+        outputs = self.outputs_of(self.args)
+        return bool(outputs) and self.output_versions == [t._version for t in outputs]
+
+    def compare_replay(self, scratch: tuple[Any, ...]) -> bool | None:
+        """Whether the replay's result (in ``scratch``, the re-issued op's arguments) is bit
+        for bit the result this op had: None when that cannot be told (no outputs, or the
+        framework has written into them since)."""
+        if not self.outputs_intact():
+            return None
+        outputs = self.outputs_of(self.args)
+        replayed = self.outputs_of(scratch)
+        return len(replayed) == len(outputs) and all(
+            _same_bits(a, b) for a, b in zip(outputs, replayed, strict=True)
+        )
+
+    def take_result(self, expected: list[torch.Tensor]) -> bool:
+        """End with ``expected`` as the result (what the op had on the survivors before the
+        fault); whether this rank's own result differed from it."""
+        outputs = self.outputs_of(self.args)
+        if len(outputs) != len(expected):
+            return False
+        differed = not all(_same_bits(a, b) for a, b in zip(outputs, expected, strict=True))
+        if differed:
+            with torch.no_grad():
+                for out, value in zip(outputs, expected, strict=True):
+                    out.copy_(value)
+        return differed
 
     def restore_inputs(self) -> None:
         """Put the logged inputs back (a failed in-place op may have clobbered them)."""

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,12 +45,47 @@ class ReplayMismatch(RuntimeError):
     """An op the framework issued differs from what the survivors logged for that position."""
 
 
+@dataclass
+class ReplayCheck:
+    """What a replay found: of the done ops it re-issued, how many came out with the result
+    they first had, how many did not (the first of them named), and how many could not be
+    compared."""
+
+    compared: int = 0
+    unverifiable: int = 0
+    differ: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, record: OpRecord, same: bool | None) -> None:
+        if same is None:
+            self.unverifiable += 1
+            return
+        self.compared += 1
+        if not same:
+            self.differ.append({"step": record.step, "index": record.index, "op": record.op})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"compared": self.compared, "unverifiable": self.unverifiable,
+                "differ": list(self.differ)}  # fmt: skip
+
+
+class ReplayDiverged(RuntimeError):
+    """A replayed op's result differs from its first one (``strict``): the step being
+    recomputed is not the one the survivors took part in."""
+
+    def __init__(self, check: ReplayCheck) -> None:
+        first = check.differ[0]
+        super().__init__(f"op {first['index']} of step {first['step']} ({first['op']})")
+        self.check = check
+
+
 class ProxyProcessGroup(dist.ProcessGroup):
     """A ``ProcessGroup`` whose ops survive communicator failures.
 
     Modes: ``normal`` (forward to the communicator), ``local`` (serve every op without the
     network: a replacement's prologue, or a step rolled back). ``before_op(step, index, op)`` runs
-    before each op (fault injection); ``on_trouble(text)`` is called once when an op fails.
+    before each op (fault injection); ``on_trouble(text)`` is called once when an op fails;
+    ``on_issue(record)`` sees each op before it goes out.
     """
 
     def __init__(
@@ -59,6 +95,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         keep_log: bool = True,
         on_trouble: Callable[[str], None] | None = None,
         mode: str = "normal",
+        on_issue: Callable[[OpRecord], None] | None = None,
     ) -> None:
         super().__init__(communicator.rank, communicator.size)
         self.communicator = communicator
@@ -66,6 +103,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.before_op = before_op
         self.keep_log = keep_log
         self.on_trouble = on_trouble
+        self.on_issue = on_issue  # sees every op as the framework issues it (xmig check)
         self.mode = mode
         self.step: int | None = None
         self.ops_in_step = 0
@@ -77,6 +115,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self._expected: dict[int, list[str]] = {}  # step -> signatures a replacement must match
         self._overrides: dict[tuple[int, int], torch.Tensor] = {}
         self._served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
+        # (step, index) -> the result the op had on the survivors before the fault
+        self._results: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.results_taken: list[tuple[int, int]] = []  # ops whose own result differed
         self.halted = False
         self.trouble: str | None = None
         self._buffers = BufferPool()
@@ -152,6 +193,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if override is not None:
             with torch.no_grad():
                 tensors_in(args[0])[0].copy_(override)
+        if self.on_issue is not None:
+            self.on_issue(record)
         self._track(record)
         if self.mode == "local" or (self.local_filter is not None and self.local_filter(record)):
             self._serve_locally(record)
@@ -255,6 +298,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 else:
                     self._queue.popleft()
                     record.state = "done"
+                    self._take_result(record)
                     self._remember(record)
                     callback = None
             if callback is not None:
@@ -263,6 +307,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 _complete(record, record.work, value)
 
     def _remember(self, record: OpRecord) -> None:
+        record.note_outputs()
         if record.int_broadcast is not None:
             record.int_broadcast.received = tensors_in(record.args[0])[0].detach().clone()
         if not self.keep_log:
@@ -279,6 +324,20 @@ class ProxyProcessGroup(dist.ProcessGroup):
         """Op ``index`` of ``step`` (a broadcast) goes out with ``payload`` as its input."""
         with self._cv:
             self._overrides[(step, index)] = payload
+
+    def expect_results(self, results: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+        """Ops of these (step, index) end with these results, the survivors' from before the
+        fault: the replicas stay alike even where this rank's inputs were not the failed
+        rank's (which the survivors' replay finds and reports)."""
+        with self._cv:
+            self._results.update(results)
+
+    def _take_result(self, record: OpRecord) -> None:
+        if record.step is None:
+            return
+        expected = self._results.pop((record.step, record.index), None)
+        if expected is not None and record.take_result(expected):
+            self.results_taken.append((record.step, record.index))
 
     def expect_signatures(self, step: int, signatures: list[str]) -> None:
         """The ops of ``step`` must have these signatures, in order: one that differs is
@@ -338,6 +397,15 @@ class ProxyProcessGroup(dist.ProcessGroup):
         with self._cv:
             self.log = [r for r in self.log if r not in records]
 
+    def done_results(self, from_step: int) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """The results of the logged ops of ``from_step`` and later that completed, where
+        their outputs still hold them: (step, index) -> its output tensors."""
+        with self._cv:
+            pending = {id(r) for r in self._queue}
+            records = [r for r in self.log if r.step is not None and r.step >= from_step
+                       and r.state == "done" and id(r) not in pending]  # fmt: skip
+        return {(r.step, r.index): r.outputs_of(r.args) for r in records if r.outputs_intact()}
+
     def pending(self) -> list[OpRecord]:
         with self._cv:
             return list(self._queue)
@@ -356,11 +424,16 @@ class ProxyProcessGroup(dist.ProcessGroup):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(old.backend))  # not even at exit
             self.communicator = communicator
 
-    def replay(self, from_step: int, timeout: float) -> float:
+    def replay(self, from_step: int, timeout: float, strict: bool = False) -> ReplayCheck:
         """Re-issue every logged op of ``from_step`` and later on the current communicator:
-        done ops with their logged inputs (results thrown away), pending ops for real (their
-        results complete the framework's futures). Returns the seconds it took."""
+        done ops with their logged inputs, pending ops for real (their results complete the
+        framework's futures). A done op's new result must be bit for bit its first one (the
+        peers that recompute the step put in what their failed ranks put in): what differs is
+        counted (the replacements end such ops with the first result, which they were sent),
+        and with ``strict`` stops the replay (``ReplayDiverged``) before anything the
+        framework waits for completes."""
         started = time.monotonic()
+        check = ReplayCheck()
         records = self.logged(from_step)
         for device in {r.device for r in records if r.device is not None}:
             torch.cuda.synchronize(device)  # the logged copies, made on the framework's stream
@@ -376,8 +449,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
             if id(record) not in pending_ids:
                 if record.inputs is None:
                     raise RuntimeError(f"op {record.index} of step {record.step} was not logged")
-                work = getattr(self.communicator.backend, record.op)(*record.scratch_args())
+                scratch = record.scratch_args()
+                work = getattr(self.communicator.backend, record.op)(*scratch)
                 self._wait(work, timeout, record)
+                check.add(record, record.compare_replay(scratch))
+                if strict and check.differ:
+                    check.seconds = time.monotonic() - started
+                    raise ReplayDiverged(check)
                 continue
             record.restore_inputs()
             work = getattr(self.communicator.backend, record.op)(*record.args)
@@ -388,7 +466,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 record.state, record.error, record.work = "done", None, work
                 self._remember(record)
             _complete(record, work, value)
-        return time.monotonic() - started
+        check.seconds = time.monotonic() - started
+        return check
 
     @staticmethod
     def _wait(work: dist.Work, timeout: float, record: OpRecord) -> None:

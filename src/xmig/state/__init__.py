@@ -1,6 +1,6 @@
 """What a rank's state is made of, and how it moves to a replacement."""
 
-from xmig.state.fingerprint import params_checksum, params_sha256
+from xmig.state.fingerprint import params_checksum, params_sha256, tensors_sha256
 from xmig.state.payload import DdpPayload, PayloadError, ReplacementPayload
 from xmig.state.rng import reseed, step_seed
 from xmig.state.transfer import TransferStats, pack, recv_state, send_state
@@ -17,4 +17,5 @@ __all__ = [
     "reseed",
     "send_state",
     "step_seed",
+    "tensors_sha256",
 ]

@@ -23,6 +23,16 @@ def params_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def tensors_sha256(tensors: list[torch.Tensor]) -> str:
+    """SHA-256 over the dtype, shape and bytes of each tensor, in order (copied to the host)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        host = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{host.dtype}|{tuple(host.shape)}|".encode())
+        digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def params_checksum(model: torch.nn.Module) -> str:
     """A checksum of every parameter's bits for replicas to compare, computed where the
     parameter lives: SHA-256 of the bytes on the host; on a GPU (no copy to the host) two

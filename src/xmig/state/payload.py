@@ -46,6 +46,9 @@ class ReplacementPayload:
     state: dict[str, Any]  # registered name -> its state_dict()
     ddp: DdpPayload = field(default_factory=DdpPayload)
     signatures: list[str] | None = None  # the step's ops as the survivors logged them (replay)
+    # the results the ops the survivors replay had before the fault ("step:index" -> its
+    # output tensors): the replacement's ops end with these (every rank goes on from the same)
+    results: dict[str, list[torch.Tensor]] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """Plain containers for ``send_state`` (no copy of the tensors)."""
@@ -63,13 +66,14 @@ class ReplacementPayload:
                 "verify_ready_order": ddp.verify_ready_order,
             },
             "signatures": self.signatures,
+            "results": self.results,
         }
 
     @classmethod
     def from_wire(cls, data: Any) -> ReplacementPayload:
         """The payload ``to_wire`` made, checked; PayloadError if it is not one."""
         body = _object(data, "payload", ("step", "mode", "first_step", "state", "ddp",
-                                         "signatures"))  # fmt: skip
+                                         "signatures", "results"))  # fmt: skip
         ddp = _object(body["ddp"], "ddp", ("layout", "in_step", "in_step_index",
                                            "ready_order", "verify_ready_order"))  # fmt: skip
         mode = body["mode"]
@@ -90,6 +94,7 @@ class ReplacementPayload:
                 verify_ready_order=_bool(ddp["verify_ready_order"], "ddp.verify_ready_order"),
             ),
             signatures=_strings(body["signatures"], "signatures"),
+            results=_results(body["results"]),
         )
 
 
@@ -118,6 +123,19 @@ def _tensors(value: Any, where: str) -> list[torch.Tensor] | None:
         isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value)
     ):
         raise PayloadError(f"{where} is not a list of tensors")
+    return value
+
+
+def _results(value: Any) -> dict[str, list[torch.Tensor]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PayloadError("results is not a mapping")
+    for key, tensors in value.items():
+        step, _, index = str(key).partition(":")
+        if not (step.isdigit() and index.isdigit()):
+            raise PayloadError(f"results: {str(key)[:20]!r} is not step:index")
+        _tensors(tensors, f"results[{key}]")
     return value
 
 

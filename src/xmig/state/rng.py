@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -23,3 +25,38 @@ def reseed(seed: int, rank: int, step: int) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(value % (2**32))
+
+
+def derived_seed(seed: int, rank: int, *parts: object) -> int:
+    """A 63-bit seed for something other than a step (a data stream's epoch or position)."""
+    text = ":".join(str(p) for p in ("xmig", seed, rank, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def controlled(value: int) -> Iterator[None]:
+    """Run the body with Python's, torch's (CPU, and the current CUDA device once CUDA is in
+    use) and NumPy's generators seeded from ``value``; put their states back afterwards, so
+    that what the body draws is a function of ``value`` and the code around it sees no
+    draw at all."""
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    cpu_state = torch.get_rng_state()
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    cuda_state = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+    try:
+        random.seed(value)
+        torch.default_generator.manual_seed(value)
+        if cuda is not None:
+            torch.cuda.manual_seed(value)  # the current device only
+        if numpy is not None:
+            numpy.random.seed(value % (2**32))
+        yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+        torch.set_rng_state(cpu_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda_state, cuda)

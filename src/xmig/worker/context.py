@@ -19,6 +19,7 @@ from xmig.worker.errors import exit_now
 from xmig.worker.orders import Orders
 from xmig.worker.phase import Phase
 from xmig.worker.registry import Registry
+from xmig.worker.trace import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class WorkerContext:
         for fault in env.faults:
             self.injector.add(fault)
         self.link: AgentLink | None = None
+        self.tracer = (Tracer(env.trace_dir, env.rank, env.attempt, env.generation)
+                       if env.trace_dir else None)  # fmt: skip
 
     @property
     def state_step(self) -> int | None:

@@ -71,6 +71,13 @@ def install_hooks(ctx: WorkerContext, gate: OptimizerGate) -> list[Any]:
         spec = next(s for s in pending if s.at == "optimizer")
         raise XmigError(f"fault {spec} needs the optimizer: call session.register(optimizer=...)")
     handles: list[Any] = []
+    tracer = ctx.tracer
+    if model is not None and tracer is not None:
+
+        def trace_forward(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tracer.forward(ctx.step, args, kwargs)
+
+        handles.append(model.register_forward_pre_hook(trace_forward, with_kwargs=True))
     if model is not None:
         handles.append(
             model.register_forward_pre_hook(lambda _m, _a: injector.at_point(ctx.step, "forward"))

@@ -77,7 +77,7 @@ class StepLoop:
                 self._verifier.at_boundary(step)
                 self._migration.at_boundary(step)
                 with ctx.state_lock:
-                    ctx.registry.snapshot_others()
+                    ctx.registry.at_boundary(step)
                     ctx.step = step
                     ctx.optimizer_stepped = False
                     reseed(ctx.seed, ctx.rank, step)
@@ -92,6 +92,7 @@ class StepLoop:
                 # end's own pseudo-step, which a replacement reaches and redoes too
                 ctx.step = total
                 ctx.optimizer_stepped = False
+                ctx.registry.at_boundary(total)
                 ctx.proxy.begin_step(total)
             self._verifier.at_boundary(total)
             ctx.injector.at_point(total, "boundary")
@@ -112,6 +113,8 @@ class StepLoop:
         ctx = self._ctx
         model = ctx.registry.model()
         fingerprint = params_sha256(model) if ctx.rank == 0 and model is not None else None
+        if ctx.tracer is not None:
+            ctx.tracer.final(model)
         unfired = ctx.injector.pending
         if unfired and ctx.link is None:  # else the coordinator reports them
             names = ", ".join(str(s) for s in unfired)

@@ -8,27 +8,43 @@ from typing import Any
 import torch
 
 from xmig.state import ddp as ddp_state
+from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, XmigError
 
 
 class Registry:
     """Registered objects by name: ``model`` (a module, DDP or bare), ``optimizer``, and any
-    other object with ``state_dict``/``load_state_dict``."""
+    other object with ``state_dict``/``load_state_dict``; and the script's data streams
+    (``session.batches``), whose position at a step boundary is part of the state."""
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
+        self.streams: dict[str, Batches] = {}
         self.ddp: Any = None  # the DDP that trains the registered model, once the loop starts
         self._snapshots: dict[str, Any] = {}
 
     def register(self, **objects: Any) -> None:
         for name, obj in objects.items():
+            if name in self.streams:
+                raise XmigError(f"{name!r} already names a data stream (session.batches)")
             if name == "model" and not isinstance(obj, torch.nn.Module):
                 raise XmigError(f"model= must be a torch.nn.Module, got {type(obj).__name__}")
             if name != "model" and not (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
             ):
-                raise XmigError(f"{name}= needs state_dict() and load_state_dict()")
+                hint = ""
+                if hasattr(obj, "__iter__") or hasattr(obj, "__next__"):
+                    hint = f" (for data, draw it through session.batches({name}) instead)"
+                raise XmigError(f"{name}= needs state_dict() and load_state_dict(){hint}")
             self.objects[name] = obj
+
+    def add_stream(self, stream: Batches) -> None:
+        if stream.name in self.objects or stream.name in self.streams:
+            raise XmigError(
+                f"{stream.name!r} is already registered: give the data stream another "
+                "name (session.batches(..., name=...))"
+            )
+        self.streams[stream.name] = stream
 
     def model(self) -> torch.nn.Module | None:
         """The user's module (hashed and hooked), not a DDP wrapper around it."""
@@ -51,21 +67,39 @@ class Registry:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in self.objects.items()}
+        state = {name: obj.state_dict() for name, obj in self.objects.items()}
+        state.update({name: stream.state_dict() for name, stream in self.streams.items()})
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Load the registered objects' state (the data streams: ``resume_streams``)."""
         for name, obj in self.objects.items():
             if name not in state:
                 raise RecoveryFailed(f"the peer's state has no {name!r}")
             obj.load_state_dict(state[name])
 
-    def snapshot_others(self) -> None:
-        """Copy the state of what is neither model nor optimizer (a scheduler, a sampler) at
-        a step's start: a step rolled back and redone by this rank starts from it again."""
+    def resume_streams(self, state: dict[str, Any], step: int, *, fresh: bool) -> None:
+        """Put every data stream where the one in ``state`` was at the start of ``step``
+        (``fresh``: in a replacement, whose script has yet to draw what it draws before its
+        loop)."""
+        for name, stream in self.streams.items():
+            if not isinstance(state.get(name), dict):
+                raise RecoveryFailed(f"the peer's state has no data stream {name!r}")
+            stream.resume(state[name], step, fresh=fresh)
+
+    def at_boundary(self, step: int) -> None:
+        """A step starts: its data streams' positions are recorded, and the state of what is
+        neither model nor optimizer (a scheduler) copied, for a step rolled back and redone
+        by this rank to start from again."""
+        for stream in self.streams.values():
+            stream.at_boundary(step)
         for name, obj in self.objects.items():
             if name not in ("model", "optimizer"):
                 self._snapshots[name] = copy.deepcopy(obj.state_dict())
 
-    def restore_others(self) -> None:
+    def restore_others(self, step: int) -> None:
+        """Back to the start of ``step``, the one this rank redoes."""
         for name, saved in self._snapshots.items():
             self.objects[name].load_state_dict(saved)
+        for stream in self.streams.values():
+            stream.rewind(step)

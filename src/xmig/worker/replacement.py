@@ -26,6 +26,10 @@ class Replacement:
         self._verifier = verifier
         # (what was received, its stats), or (the exception, None)
         self._incoming: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._payload: ReplacementPayload | None = None
+        self._stats: Any = None
+        self._waited = 0.0
 
     def start_receiving(self) -> None:
         """Receive the state on a thread of its own while the script still builds its model."""
@@ -44,26 +48,48 @@ class Replacement:
         except BaseException as exc:  # handed to the step loop, which reports it
             self._incoming.put((exc, None))
 
+    def payload(self) -> ReplacementPayload:
+        """The state pulled from a peer, checked (waiting for it the first time): the step
+        loop's join takes it, and so may a data stream the script draws from before its loop."""
+        with self._lock:
+            if self._payload is not None:
+                return self._payload
+            ctx = self._ctx
+            timeout = ctx.env.recovery_timeout
+            started = time.monotonic()
+            try:
+                incoming, stats = self._incoming.get(timeout=timeout)
+            except queue.Empty:
+                raise RecoveryFailed(f"no state from a peer within {timeout:.0f} s") from None
+            if isinstance(incoming, BaseException):
+                raise RecoveryFailed(f"receiving the state failed: {incoming}") from incoming
+            pull.check_digest(ctx, ctx.env.generation, stats.digest)
+            self._waited = time.monotonic() - started
+            try:
+                payload = ReplacementPayload.from_wire(incoming)
+            except PayloadError as exc:
+                raise RecoveryFailed(f"the peer's state is not a recovery's: {exc}") from None
+            self._payload, self._stats = payload, stats
+            return payload
+
+    def stream_state(self, name: str) -> tuple[dict[str, Any], int]:
+        """The data stream ``name``'s part of the pulled state, and the step it resumes at."""
+        payload = self.payload()
+        state = payload.state.get(name)
+        if not isinstance(state, dict):
+            raise RecoveryFailed(f"the peer's state has no data stream {name!r}")
+        return state, payload.step
+
     def join(self) -> int:
         """Take the state received from a peer, match its DDP, and return the step to
         start at."""
         ctx = self._ctx
-        timeout = ctx.env.recovery_timeout
         started = time.monotonic()
-        try:
-            incoming, stats = self._incoming.get(timeout=timeout)
-        except queue.Empty:
-            raise RecoveryFailed(f"no state from a peer within {timeout:.0f} s") from None
-        if isinstance(incoming, BaseException):
-            raise RecoveryFailed(f"receiving the state failed: {incoming}") from incoming
-        pull.check_digest(ctx, ctx.env.generation, stats.digest)
-        waited = time.monotonic() - started
-        try:
-            payload = ReplacementPayload.from_wire(incoming)
-        except PayloadError as exc:
-            raise RecoveryFailed(f"the peer's state is not a recovery's: {exc}") from None
-        del incoming
+        payload = self.payload()
+        stats, waited = self._stats, self._waited
+        assert stats is not None
         ctx.load_state(payload.state)
+        ctx.registry.resume_streams(payload.state, payload.step, fresh=True)
         if ctx.backend == "nccl":
             # buffers received on the receiving thread's stream and now copied into the
             # model return to that stream's pool, which nothing allocates from again
@@ -73,6 +99,10 @@ class Replacement:
         self._layout.adopt(payload.ddp, payload.step, payload.first_step)
         if payload.signatures is not None:
             ctx.proxy.expect_signatures(payload.step, payload.signatures)
+        if payload.results:
+            ctx.proxy.expect_results({(int(step), int(index)): outputs
+                                      for key, outputs in payload.results.items()
+                                      for step, _, index in [key.partition(":")]})  # fmt: skip
         ctx.proxy.resume("normal")
         phases = {"pull": stats.seconds, "join": time.monotonic() - started, "waited": waited}
         ctx.send(protocol.Recovered(generation=ctx.env.generation, role="replacement",

@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 from xmig import protocol
+from xmig.bitwise import replay_divergence
+from xmig.proxy import ReplayCheck, ReplayDiverged
 from xmig.state import ReplacementPayload
 from xmig.state import ddp as ddp_state
 from xmig.worker import pull
@@ -78,9 +80,9 @@ class Survivor:
             report = self._serve_or_receive(plan)  # includes waiting for the receiver
             pulled = time.monotonic()
             ctx.proxy.switch(communicator)
-            replay_s = 0.0
+            check = None
             if plan.mode == "replay":
-                replay_s = ctx.proxy.replay(plan.step, ctx.env.recovery_timeout)
+                check = self._replay(plan)
                 ctx.proxy.resume()
             else:
                 self.roll_back(plan.step)
@@ -88,11 +90,23 @@ class Survivor:
         finally:
             ctx.state_lock.release()
         phases = {"park": parked - started, "rebuild": rebuilt - parked,
-                  "pull": pulled - rebuilt, "replay": replay_s}  # fmt: skip
+                  "pull": pulled - rebuilt, "replay": check.seconds if check else 0.0}  # fmt: skip
         ctx.send(protocol.Recovered(generation=generation, role="survivor", phases=phases,
-                                    pull=report, t_resumed=time.time(), t=time.time()))  # fmt: skip
+                                    pull=report, t_resumed=time.time(),
+                                    replay_check=check.to_json() if check else None,
+                                    t=time.time()))  # fmt: skip
         if ctx.finished:  # a finished rank that served a peer: its state is the end's
             self._verifier.at_boundary(ctx.total if ctx.total is not None else plan.step)
+
+    def _replay(self, plan: protocol.Rebuild) -> ReplayCheck:
+        """Re-issue the logged step; with ``--strict`` a result that differs from the first
+        one stops the recovery before the framework sees anything."""
+        ctx = self._ctx
+        try:
+            return ctx.proxy.replay(plan.step, ctx.env.recovery_timeout, strict=ctx.env.strict)
+        except ReplayDiverged as exc:
+            why = replay_divergence(exc.check.differ[0], plan.pulls)
+            raise RecoveryFailed(f"--strict: {why}") from None
 
     def position(self) -> protocol.Position:
         """Where this rank stands, for the coordinator's choice of step, source and mode."""
@@ -176,7 +190,16 @@ class Survivor:
             state=ctx.state_dict(),
             ddp=self._layout.outgoing(plan.step, plan.verify_ready_order),
             signatures=signatures if plan.mode == "replay" else None,
+            results=self._results(plan),
         )
+
+    def _results(self, plan: protocol.Rebuild) -> dict[str, list[Any]] | None:
+        """What the ops to be replayed got before the fault, for the replacement to end them
+        with (``ProxyProcessGroup.expect_results``)."""
+        if plan.mode != "replay":
+            return None
+        done = self._ctx.proxy.done_results(plan.step)
+        return {f"{step}:{index}": outputs for (step, index), outputs in done.items()}
 
     # ---- rollback ---------------------------------------------------------------------------
     def roll_back(self, resume_step: int) -> None:
@@ -197,11 +220,12 @@ class Survivor:
         with ctx.state_lock:
             redo, self._redo_from = self._redo_from, None
             self._gate.allow_update()
-            if self._stash is not None:
+            if self._stash is not None:  # the state of a later step, pulled from a peer
                 ctx.load_state(self._stash)
+                ctx.registry.resume_streams(self._stash, redo, fresh=False)
                 self._stash = None
             elif redo == step:
-                ctx.registry.restore_others()
+                ctx.registry.restore_others(redo)
             optimizer = ctx.registry.optimizer()
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
