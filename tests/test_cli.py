@@ -161,3 +161,29 @@ def test_torchrun_spellings_are_accepted(tmp_path):
     assert result.returncode == 0, result.output
     seen = sorted(f.read_text() for f in tmp_path.glob("env-*"))
     assert seen == [f"{rank} 2 127.0.0.1 {port}" for rank in range(2)]
+
+
+def test_the_cli_does_not_load_torch():
+    # every CLI call pays its imports; commands that talk to a running job (inject, migrate, stop)
+    # race the job's end, and torch would add over a second to each
+    import subprocess
+    import sys
+
+    code = "import sys, xmig.launch.cli; print(sorted(m for m in sys.modules if 'torch' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_job_that_ends_mid_request_is_named():
+    # a coordinator that closes the connection without answering: the job ended meanwhile
+    from xmig.wire import Server
+
+    server = Server("127.0.0.1", 0, "tok", lambda peer, msg: peer.conn.close())
+    server.start()
+    try:
+        host, port = server.address
+        proc = xmig("stop", "--coord", f"{host}:{port}", "--token", "tok")
+        _one_line_error(proc, "closed the connection before answering 'stop'", "job ended")
+    finally:
+        server.close()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from xmig.bitwise import README_SECTION
-from xmig.worker.trace import read_trace
+from xmig.traces import read_trace
 
 log = logging.getLogger(__name__)
 

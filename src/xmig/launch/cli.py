@@ -38,7 +38,7 @@ from xmig.launch.check import CheckError, run_check
 from xmig.launch.doctor import run_doctor
 from xmig.launch.hosts import HostSetupError, check_can_simulate
 from xmig.launch.launcher import Launcher, LaunchError, find_job
-from xmig.wire import AuthError, Client, RemoteError, WireError, parse_address
+from xmig.wire import AuthError, Client, RemoteError, WireError, format_address, parse_address
 
 app = typer.Typer(
     add_completion=False,
@@ -275,7 +275,8 @@ def _connect(job: str | None, coord: str | None, token: str | None) -> Client:
     except AuthError as exc:
         raise click.UsageError(f"the coordinator refused the connection: {exc}") from None
     except (WireError, OSError) as exc:
-        raise click.UsageError(str(exc)) from None
+        where = format_address(address)
+        raise click.UsageError(f"cannot talk to the coordinator at {where}: {exc}") from None
 
 
 def _request(
@@ -287,6 +288,10 @@ def _request(
         return client.call(op, timeout=10.0, **fields)
     except RemoteError as exc:
         raise click.UsageError(f"{refused}: {exc}") from None
+    except WireError:  # the coordinator ends its connections when the job ends
+        raise click.UsageError(
+            f"the coordinator closed the connection before answering {op!r}: has the job ended?"
+        ) from None
     finally:
         client.close()
 

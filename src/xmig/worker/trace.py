@@ -19,26 +19,7 @@ import torch
 from xmig.proxy import OpRecord
 from xmig.proxy.oplog import tensors_in
 from xmig.state import params_sha256, tensors_sha256
-
-
-def trace_name(rank: int, attempt: int, pid: int) -> str:
-    return f"rank{rank}-attempt{attempt}-pid{pid}.jsonl"
-
-
-def read_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A trace's header and its entries (a torn last line, from a killed process, is left out)."""
-    header: dict[str, Any] = {}
-    entries: list[dict[str, Any]] = []
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("kind") == "header":
-            header = entry
-        else:
-            entries.append(entry)
-    return header, entries
+from xmig.traces import trace_name
 
 
 class Tracer:
