@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -19,3 +20,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("xmig measurements")
         for line in MEASUREMENTS:
             terminalreporter.write_line(line)
+
+
+LONG = os.environ.get("XMIG_LONG_TESTS") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "long: a wider sample of a matrix CI covers in part (XMIG_LONG_TESTS=1 runs it)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if LONG:
+        return
+    skip = pytest.mark.skip(reason="a long matrix's wider sample: XMIG_LONG_TESTS=1 runs it")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)

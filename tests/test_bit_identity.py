@@ -30,8 +30,10 @@ def reference(tmp_path_factory, world, pattern, workers):
 @pytest.mark.parametrize("pattern, workers, world, fault, verified", [
     ("batches", 0, 2, "kill:rank=1:step=5:at=backward", True),
     ("batches-prefetch", 2, 3, "kill:rank=2:step=5:at=backward", True),
-    ("batches-prefetch", 0, 2, "exit:rank=1:step=5:at=boundary", "unverifiable"),
-    ("batches", 2, 2, "exit:rank=0:step=5:at=boundary", "unverifiable"),
+    pytest.param("batches-prefetch", 0, 2, "exit:rank=1:step=5:at=boundary", "unverifiable",
+                 marks=pytest.mark.long),
+    pytest.param("batches", 2, 2, "exit:rank=0:step=5:at=boundary", "unverifiable",
+                 marks=pytest.mark.long),
     ("generator", 0, 3, "exit:rank=0:step=5:at=boundary", "unverifiable"),
 ])  # fmt: skip
 def test_batches_drawn_through_the_session_recover_bit_identically(
@@ -52,7 +54,10 @@ def test_batches_drawn_through_the_session_recover_bit_identically(
         assert record["replay"]["compared"] > 0 and not record["replay"]["differ"]
 
 
-@pytest.mark.parametrize("pattern", ["prefetch-locals", "iterator", "own-generator"])
+@pytest.mark.parametrize(
+    "pattern",
+    ["prefetch-locals", pytest.param("iterator", marks=pytest.mark.long), "own-generator"],
+)
 def test_data_or_random_state_that_does_not_travel_is_reported_not_bit_identical(
     tmp_path, tmp_path_factory, pattern
 ):
@@ -115,10 +120,12 @@ def test_xmig_check_passes_a_script_that_recovers_bit_identically(tmp_path):
 
 @pytest.mark.parametrize("pattern, verdict", [
     ("prefetch-locals", "differs at forward 0 of step 3: the batch is not a function of the step"),
-    ("iterator", "differs at forward 0 of step 3: the batch is not a function of the step"),
+    pytest.param("iterator", "differs at forward 0 of step 3: the batch is not a function of "
+                 "the step", marks=pytest.mark.long),
     ("own-generator", "differs at collective 0 of step 3 (allreduce): its batches are the "
                       "original rank's, so random numbers or other state differ"),
-    ("scheduler", "state that changes in the loop is not registered"),
+    pytest.param("scheduler", "state that changes in the loop is not registered",
+                 marks=pytest.mark.long),
 ])  # fmt: skip
 def test_xmig_check_names_the_cause_in_a_broken_script(tmp_path, pattern, verdict):
     result = check(tmp_path, "--step", "3", *job(2, pattern, 0))
