@@ -1,6 +1,8 @@
 """The coordinator's state machines, without sockets, threads or processes: each test feeds
 events to a ``Job`` (with the wall clock as an argument) and checks the orders and states."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from xmig.coord.machine import SETTLE_WINDOW_S, TRANSITIONS, IllegalTransition, Job, JobState
@@ -583,3 +585,29 @@ def test_status_answers_without_changing_anything():
     (reply,) = job.on(StatusRequest(), T0)
     assert reply.value["status"]["status"] == "running"
     assert reply.value["status"]["progress"] == {"0": 3, "1": 3}
+
+
+def test_replicas_are_compared_within_their_own_set():
+    from xmig.coord.decide import differing_replicas
+
+    sets = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    assert differing_replicas({0: "a", 1: "a", 2: "b", 3: "b"}, sets) is None
+    assert differing_replicas({0: "a", 1: "a", 2: "b", 3: "c"}, sets) == {2: "b", 3: "c"}
+    # no sets named: every rank is a replica of every other
+    assert differing_replicas({0: "a", 1: "b"}, {0: None, 1: None}) == {0: "a", 1: "b"}
+
+
+def test_the_final_fingerprint_covers_every_set_of_replicas():
+    import hashlib
+
+    from xmig.coord.summary import final_fingerprint
+    from xmig.protocol import WorkerDone
+
+    def done(rank, digest, replicas):
+        return WorkerDone(rank=rank, steps=8, params_sha256=digest, checksum=None,
+                          replicas=replicas)  # fmt: skip
+
+    job = SimpleNamespace(done={0: done(0, "a", None), 1: done(1, None, None)})
+    assert final_fingerprint(job) == "a"  # one set: rank 0's, as always
+    job.done = {0: done(0, "a", [0, 1]), 1: done(1, None, [0, 1]), 2: done(2, "b", [2, 3])}
+    assert final_fingerprint(job) == hashlib.sha256(b"0:a;2:b;").hexdigest()

@@ -226,10 +226,11 @@ def test_a_replay_check_counts_and_names_what_differs():
     same, _ = _done_allreduce(torch.ones(3))
     check.add(same, True)
     check.add(same, None)
-    same.step, same.index = 5, 2
+    same.step, same.index, same.group = 5, 2, "pg3"
     check.add(same, False)
     assert check.to_json() == {"compared": 2, "unverifiable": 1,
-                               "differ": [{"step": 5, "index": 2, "op": "allreduce"}]}  # fmt: skip
+                               "differ": [{"step": 5, "index": 2, "op": "allreduce",
+                                           "group": "pg3"}]}  # fmt: skip
 
 
 def test_the_verdict_of_a_recovery():

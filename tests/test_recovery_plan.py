@@ -341,3 +341,66 @@ def test_a_layout_the_survivors_made_themselves_is_verified(sources, verify):
     positions = {r + 1: with_layout(1, "aaaa", s) for r, s in enumerate(sources)}
     plan = plan_rebuild(positions, replaced=[0], generation=1)
     assert plan.mode == "replay" and plan.verify_ready_order is verify
+
+
+# ---- replicas: each rank's state from a rank that holds the same ---------------------------
+
+
+def test_each_replaced_rank_pulls_from_a_replica_of_its_own_state():
+    """DDP over sub-groups {0, 1} and {2, 3}: rank 1's state is rank 0's, rank 3's rank 2's."""
+    positions = {r: replace(position(4), replicas=[r - r % 2, r - r % 2 + 1]) for r in (0, 2)}
+    plan = plan_rebuild(positions, replaced=[1, 3], generation=2)
+    assert plan.mode == "replay" and plan.sources == {"1": 0, "3": 2}
+    assert plan.served_by(0) == [1] and plan.served_by(2) == [3] and plan.served_by(1) == []
+    assert plan.source_of(3) == 2
+
+
+def test_a_plan_without_sources_is_served_by_its_source():
+    plan = Rebuild(generation=1, mode="replay", step=3, source=2, pulls=[0, 1])
+    assert plan.served_by(2) == [0, 1] and plan.source_of(1) == 2
+
+
+def test_no_surviving_replica_means_no_recovery():
+    positions = {0: replace(position(4), replicas=[0, 1]), 1: replace(position(4), replicas=[0, 1])}
+    with pytest.raises(RecoveryImpossible, match="no surviving rank holds a replica of rank 3"):
+        plan_rebuild(positions, replaced=[3], generation=2)
+
+
+def test_a_replica_that_stepped_already_rolls_everyone_forward():
+    """Rank 3's replica (rank 2) has taken step 4's update, rank 1 (waiting for rank 3) has
+    not: nothing can replay step 4 for rank 3, so every rank goes on from step 5, rank 1
+    with its own replica's state."""
+    positions = {
+        0: replace(position(4, stepped=True), replicas=[0, 1]),
+        1: replace(position(4), replicas=[0, 1]),
+        2: replace(position(4, stepped=True), replicas=[2, 3]),
+    }
+    plan = plan_rebuild(positions, replaced=[3], generation=2)
+    assert plan.mode == "rollback" and plan.step == 5
+    assert plan.why == "rank 3's replicas have taken step 4's update already"
+    assert plan.sources == {"1": 0, "3": 2}
+
+
+def test_a_group_whose_members_logged_different_ops_is_rolled_back():
+    positions = {
+        0: replace(position(4), group_signatures={"pg3": {"4": [SUM, SUM]}}),
+        1: replace(position(4), group_signatures={"pg3": {"4": [SUM, MAX]}}),
+        2: replace(position(4), group_signatures={"pg4": {"4": [GATHER]}}),
+    }
+    plan = plan_rebuild(positions, replaced=[3], generation=2)
+    assert plan.mode == "rollback"
+    assert plan.why == "the survivors logged different ops of group pg3 in step 4"
+
+
+def test_the_record_names_the_groups_and_who_served_whom():
+    positions = {r: replace(position(4), replicas=[r - r % 2, r - r % 2 + 1]) for r in (0, 2)}
+    recovery = finished_recovery(plan_rebuild(positions, [1, 3], 2), [1, 3], [0, 2])
+    for rank, groups in ((0, ["world", "pg3[0,1]"]), (2, ["world", "pg4[2,3]"])):
+        recovery.recovered[rank] = replace(
+            recovery.recovered[rank], groups={"rebuilt": groups, "kept": ["pg1[0,2]"]}
+        )
+    record = recovery.record(2000.0)
+    assert record["groups"] == {"rebuilt": ["pg3[0,1]", "pg4[2,3]", "world"],
+                                "kept": ["pg1[0,2]"]}  # fmt: skip
+    assert record["sources"] == {"1": 0, "3": 2}
+    assert "with state from rank 0 (to 1), rank 2 (to 3)" in describe_recovery(record)

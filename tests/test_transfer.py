@@ -224,7 +224,8 @@ def _payload():
         first_step=0,
         state=_sample_state(),
         ddp=DdpPayload(layout=layout, ready_order=[2, 0, 1], verify_ready_order=True),
-        signatures=["allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"],
+        signatures={"world": ["allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"]},
+        results={"pg3:5:0": [torch.arange(3.0)]},
     )
 
 
@@ -237,6 +238,9 @@ def test_a_replacement_payload_crosses_a_pair_intact():
     back = ReplacementPayload.from_wire(got)
     assert (back.step, back.mode, back.first_step) == (5, "replay", 0)
     assert back.signatures == payload.signatures
+    assert list(back.results) == ["pg3:5:0"] and torch.equal(
+        back.results["pg3:5:0"][0], torch.arange(3.0)
+    )
     _assert_same(back.state, payload.state)
     _assert_same(back.ddp.layout, payload.ddp.layout)
     assert back.ddp.in_step is None and back.ddp.in_step_index == 0
@@ -251,7 +255,9 @@ def test_a_replacement_payload_crosses_a_pair_intact():
     (lambda w: w["ddp"].update(layout=[1, 2]), "ddp.layout is not a list of tensors"),
     (lambda w: w["ddp"].update(ready_order=[0, "1"]), "ddp.ready_order"),
     (lambda w: w["ddp"].update(verify_ready_order=1), "ddp.verify_ready_order"),
-    (lambda w: w.update(signatures=[3]), "signatures is not a list of strings"),
+    (lambda w: w.update(signatures=["x"]), "signatures is not a mapping of groups"),
+    (lambda w: w.update(signatures={"world": [3]}), r"signatures\[world\] is not a list"),
+    (lambda w: w.update(results={"5:0": []}), "is not group:step:index"),
 ])  # fmt: skip
 def test_a_payload_that_is_not_one_is_refused(change, why):
     wire = _payload().to_wire()

@@ -377,3 +377,53 @@ def test_served_broadcasts_and_a_skipped_step_need_no_network(proxy):
     proxy.halt()
     _broadcast(proxy, torch.zeros(1))  # served locally even while halted
     assert time.monotonic() - started < 5
+
+
+# ---- several process groups -------------------------------------------------------------------
+
+
+def _group_proxy(name, sequence, seen):
+    comm = Communicator("gloo", name, 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    return ProxyProcessGroup(comm, before_op=lambda step, index, op: seen.append((name, index)),
+                             group=name, sequence=sequence)  # fmt: skip
+
+
+def test_ops_of_several_groups_are_numbered_and_replayed_in_the_order_they_were_issued():
+    from xmig.proxy import OpSequence, replay_groups
+
+    sequence, seen = OpSequence(), []
+    world, sub = _group_proxy("world", sequence, seen), _group_proxy("pg1", sequence, seen)
+    for proxy in (world, sub):
+        proxy.begin_step(3)
+    for proxy in (world, sub, sub, world):
+        proxy.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+    # a collective=K fault counts the step's ops across the groups
+    assert seen == [("world", 0), ("pg1", 1), ("pg1", 2), ("world", 3)]
+    order = []
+    for proxy in (world, sub):
+        original = proxy.replay_one
+
+        def replay_one(record, pending, timeout, original=original):
+            order.append((record.group, record.index))
+            return original(record, pending, timeout)
+
+        proxy.replay_one = replay_one
+    check = replay_groups([sub, world], 3, timeout=10.0)
+    assert order == [("world", 0), ("pg1", 0), ("pg1", 1), ("world", 1)]
+    assert check.compared == 4 and not check.differ
+
+
+def test_a_worker_knows_which_of_its_groups_a_replaced_rank_is_in():
+    from xmig.proxy import OpSequence
+    from xmig.worker.groups import Group, Groups
+
+    groups, seen = Groups(), []
+    for name, c10d, ranks in (("world", "0", [0, 1, 2, 3]), ("pg1", "1", [0, 2]),
+                              ("pg3", "3", [0, 1])):  # fmt: skip
+        groups.add(Group(name, c10d, ranks, _group_proxy(name, OpSequence(), seen)))
+    assert [g.label for g in groups.holding([1])] == ["world", "pg3[0,1]"]
+    assert [g.label for g in groups.kept([1])] == ["pg1[0,2]"]
+    assert groups.of(None).name == "world" and groups.named("pg1").ranks == [0, 2]
+    assert groups.of(SimpleNamespace(group_name="3")).name == "pg3"
+    with pytest.raises(ValueError, match="made twice"):
+        groups.add(Group("pg1", "1", [0, 2], groups.named("pg1").proxy))

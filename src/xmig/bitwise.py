@@ -22,8 +22,10 @@ def replay_divergence(first: dict[str, Any], replaced: list[int]) -> str:
     op that differs, as ``ReplayCheck`` lists it)."""
     ranks = ", ".join(map(str, replaced)) or "?"
     step = first["step"]
+    group = first.get("group", "world")
+    where = f"of step {step}" if group == "world" else f"of group {group} in step {step}"
     return (
-        f"the replayed step is not bit-identical: op {first['index']} of step {step} "
+        f"the replayed step is not bit-identical: op {first['index']} {where} "
         f"({first['op']}) came out different, so rank {ranks}'s inputs for step {step} differ "
         f"from the failed rank's: its data or random state is not a function of the step "
         f"({README_SECTION})"

@@ -159,6 +159,9 @@ class Position:
     optimizer_waiting: bool = False
     ddp_layout: str | None = None  # digest of DDP's bucket layout
     ddp_layout_source: str = "root"  # how it came by it (xmig.state.ddp)
+    # group -> step -> its logged ops' signatures, for each group but the world
+    group_signatures: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    replicas: list[int] | None = None  # the ranks whose state is this rank's (None: all)
 
 
 # ---- worker → agent ------------------------------------------------------------------------
@@ -229,6 +232,7 @@ class Done(Message):
     steps: int
     params_sha256: str | None
     checksum: str | None
+    replicas: list[int] | None = None  # the ranks whose parameters must equal its (None: all)
 
 
 # ---- worker → coordinator, forwarded by its agent (which sets ``rank``) ----------------------
@@ -253,6 +257,7 @@ class Recovered(Message):
     pull: dict[str, Any] | None
     t_resumed: float
     replay_check: dict[str, Any] | None = None
+    groups: dict[str, list[str]] | None = None  # a survivor's groups: rebuilt, kept
     rank: int = -1
     t: float = 0.0
 
@@ -261,6 +266,17 @@ class Recovered(Message):
 @wire
 class RecoveryFailed(Message):
     error: str
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("cannot_recover", W, C, forward=True)
+@wire
+class CannotRecover(Message):
+    """Found before the first step: a layout no fault of this rank could be recovered in
+    (no other rank holds its state). The job stops with ``why``."""
+
+    why: str
     rank: int = -1
     t: float = 0.0
 
@@ -331,6 +347,7 @@ class Verify(Message):
     generation: int
     step: int
     checksum: str | None
+    replicas: list[int] | None = None  # the ranks whose parameters must equal its
     rank: int = -1
     t: float = 0.0
 
@@ -414,6 +431,7 @@ class WorkerDone(Message):
     steps: int
     params_sha256: str | None
     checksum: str | None
+    replicas: list[int] | None = None
 
 
 @message("criu", A, C)
@@ -583,7 +601,8 @@ class Park(Message):
 @wire
 class Rebuild(Message):
     """The recovery plan: resume at ``step`` by ``mode`` (replay or rollback), the state
-    served by ``source`` to the ranks in ``pulls``."""
+    served to each rank in ``pulls`` by its entry in ``sources`` (a replica of its state),
+    or by ``source``."""
 
     generation: int
     mode: str
@@ -592,6 +611,14 @@ class Rebuild(Message):
     pulls: list[int]
     why: str | None = None  # why not a replay
     verify_ready_order: bool = False
+    sources: dict[str, int] = field(default_factory=dict)  # pulled rank -> its server
+
+    def source_of(self, rank: int) -> int:
+        return self.sources.get(str(rank), self.source)
+
+    def served_by(self, rank: int) -> list[int]:
+        """The ranks ``rank`` serves the state to, in order."""
+        return [r for r in self.pulls if self.source_of(r) == rank]
 
 
 @message("abort", C, A, relay=Relay.ALL)

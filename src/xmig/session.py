@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from xmig import logs, protocol
-from xmig.ccl import BACKENDS, Communicator
+from xmig.ccl import BACKENDS
 from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
 from xmig.state import params_sha256
@@ -26,6 +26,7 @@ from xmig.worker.backend import init_process_group
 from xmig.worker.context import WorkerContext
 from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, XmigError
+from xmig.worker.groups import Group, Groups
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.layout import DdpLayout
 from xmig.worker.loop import StepLoop
@@ -68,7 +69,7 @@ class Session:
             ctx.connect()
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
-        ctx.proxy = init_process_group(ctx.comms, self._make_proxy)
+        ctx.proxy = init_process_group(ctx.comms, self._make_group)
         self.proxy: ProxyProcessGroup = ctx.proxy
         self.process_group: dist.ProcessGroup = dist.group.WORLD
         if ctx.link is not None:
@@ -77,17 +78,31 @@ class Session:
             replacement.start_receiving()
         atexit.register(self.close)
 
-    def _make_proxy(self, communicator: Communicator) -> ProxyProcessGroup:
+    def _make_group(
+        self, c10d_name: str, ranks: list[int] | None, group_rank: int, size: int
+    ) -> ProxyProcessGroup:
+        """A process group's proxy (``ranks`` None: the default group), over a communicator
+        of the current generation: what a replacement makes, its survivors rebuilt in it."""
         ctx = self._ctx
-        return ProxyProcessGroup(
-            communicator,
+        default = ranks is None
+        name = Groups.name_of(c10d_name, default)
+        generation = ctx.env.generation if default else ctx.proxy.generation
+        proxy = ProxyProcessGroup(
+            ctx.comms.communicator(name, generation, group_rank, size),
             before_op=ctx.injector.at_collective,
             keep_log=ctx.env.keep_log,
             on_trouble=lambda error: on_trouble(ctx, error),
             # a replacement serves its prologue (DDP's construction) locally
-            mode="local" if ctx.env.replacement else "normal",
+            mode="local" if ctx.prologue_local else "normal",
             on_issue=ctx.tracer.op if ctx.tracer is not None else None,
+            group=name,
+            sequence=ctx.groups.sequence,
         )
+        if ctx.step is not None:
+            proxy.begin_step(ctx.step)
+        members = list(range(size)) if ranks is None else ranks
+        ctx.groups.add(Group(name, c10d_name, members, proxy))
+        return proxy
 
     @property
     def env(self) -> WorkerEnv:

@@ -309,7 +309,8 @@ class Agent:
         worker.state = "done"
         self._post(ToCoordinator(WorkerDone(rank=worker.rank, steps=msg.steps,
                                             params_sha256=msg.params_sha256,
-                                            checksum=msg.checksum)))  # fmt: skip
+                                            checksum=msg.checksum,
+                                            replicas=msg.replicas)))  # fmt: skip
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> int:

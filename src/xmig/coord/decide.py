@@ -95,3 +95,17 @@ def migration_problem(job: Job, rank: int, target: int | None) -> tuple[str | No
     gpus = {node: status.gpus for node, status in job.criu.items()}
     nodes = {r: m.node for r, m in job.members.items()}
     return gpu_conflict(rank, target, nodes, gpus, job.spec.nproc_per_node), target
+
+
+def differing_replicas(sums: dict[int, str],
+                       replicas: dict[int, list[int] | None]) -> dict[int, str] | None:  # fmt: skip
+    """The checksums of the first set of replicas whose members disagree (None: every set
+    agrees). ``replicas``: each rank's set (None: every rank is one set)."""
+    sets: dict[tuple[int, ...] | None, dict[int, str]] = {}
+    for rank, checksum in sorted(sums.items()):
+        members = replicas.get(rank)
+        sets.setdefault(tuple(sorted(members)) if members else None, {})[rank] = checksum
+    for found in sets.values():
+        if len(set(found.values())) > 1:
+            return found
+    return None

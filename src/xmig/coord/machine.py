@@ -37,6 +37,7 @@ from xmig.jobspec import JobSpec
 from xmig.protocol import (
     Abort,
     AgentHello,
+    CannotRecover,
     CriuStatus,
     Dumped,
     Fault,
@@ -416,6 +417,13 @@ class Job:
             self.recovery.fail(f"rank {msg.rank} could not recover: {msg.error}", now), now
         )
 
+    def _cannot_recover(self, msg: CannotRecover, now: float) -> list[Order]:
+        """A layout no fault could be recovered in, found before training: stop now rather
+        than lose the state at the first fault."""
+        if self.state not in LIVE or self.verdict is not None:
+            return []
+        return self._distrust(msg.why, now)
+
     def _settled(self, settled: Settled, now: float) -> list[Order]:
         """A recovery or migration has finished: keep its record, run on, say so (and that
         its replay came out different, which with ``--strict`` stops the job)."""
@@ -463,12 +471,15 @@ class Job:
                 orders += self._distrust(f"--strict: {msg.why}", now)
             return orders
         checks["sums"][msg.rank] = msg.checksum
+        checks.setdefault("replicas", {})[msg.rank] = msg.replicas
         if len(checks["sums"]) < self.spec.world_size:
             return []
         sums = {r: c for r, c in checks["sums"].items() if c}
-        checks["verified"] = len(set(sums.values())) <= 1 if sums else None
-        if checks["verified"] is not False:
+        differ = decide.differing_replicas(sums, checks["replicas"])
+        checks["verified"] = differ is None if sums else None
+        if differ is None:
             return []
+        sums = differ
         return self._distrust(
             f"after the recovery of generation {msg.generation} the ranks' parameters differ at "
             f"step {msg.step} ({summary.by_rank(sums)}): the state was corrupted in transit or "
@@ -482,7 +493,9 @@ class Job:
         if not set(self.done) >= set(range(self.spec.world_size)):
             return []
         sums = {r: d.checksum for r, d in self.done.items() if d.checksum}
-        if len(set(sums.values())) > 1:
+        differ = decide.differing_replicas(sums, {r: d.replicas for r, d in self.done.items()})
+        if differ is not None:
+            sums = differ
             return self._distrust(
                 f"the ranks' parameters differ at the end ({summary.by_rank(sums)}): DDP's "
                 "replicas must be equal; the result is not trustworthy", now)  # fmt: skip
@@ -623,6 +636,7 @@ HANDLERS: dict[type, Callable[[Job, Any, float], list[Order]]] = {
     UnreachableFaults: Job._unreachable,
     Fault: Job._fault,
     RecoveryFailed: Job._recovery_failed,
+    CannotRecover: Job._cannot_recover,
     Verify: Job._check,
     NotBitIdentical: Job._check,
     StatusRequest: Job._status,

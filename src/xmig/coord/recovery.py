@@ -70,27 +70,86 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
     elif any(p.log_from is None or p.log_from > low for p in positions.values()):
         reasons.append(f"a survivor no longer holds the log of step {low}")
     else:
-        steps = {int(s) for p in positions.values() for s in p.signatures}
-        for step in sorted(s for s in steps if s >= low):
-            lists = [p.signatures.get(str(step), []) for p in positions.values()]
-            if not _consistent(lists):
-                reasons.append(f"the survivors logged different ops in step {step}")
-                break
+        reason = _inconsistent_logs(positions, low)
+        if reason is not None:
+            reasons.append(reason)
     if not reasons:
         candidates = [r for r, s in state_steps.items() if s == low]
-        source = max(
-            candidates,
-            key=lambda r: (len(positions[r].signatures.get(str(low), [])), -r),
-        )
-        return Rebuild(generation=generation, mode="replay", step=low, source=source,
-                       pulls=sorted(replaced), why=None,
-                       verify_ready_order=verify_ready_order)  # fmt: skip
+        pulls = sorted(replaced)
+        try:
+            servers = _sources(positions, pulls, candidates, low)
+        except RecoveryImpossible:
+            # its replicas took the step's update already (the other groups' ranks had not):
+            # everyone goes on from theirs
+            ahead = next(r for r in pulls if not _sources_for(positions, r, candidates))
+            reasons.append(f"rank {ahead}'s replicas have taken step {low}'s update already")
+    if not reasons:
+        return Rebuild(generation=generation, mode="replay", step=low,
+                       source=servers[pulls[0]] if pulls else _busiest(positions, candidates, low),
+                       pulls=pulls, why=None, verify_ready_order=verify_ready_order,
+                       sources={str(r): s for r, s in servers.items()})  # fmt: skip
     high = max(state_steps.values())
-    source = min(r for r, s in state_steps.items() if s == high)
+    at_high = [r for r, s in state_steps.items() if s == high]
     laggards = [r for r, s in state_steps.items() if s < high]
-    return Rebuild(generation=generation, mode="rollback", step=high, source=source,
-                   pulls=sorted([*replaced, *laggards]), why=reasons[0],
-                   verify_ready_order=verify_ready_order)  # fmt: skip
+    pulls = sorted([*replaced, *laggards])
+    servers = _sources(positions, pulls, at_high, None)
+    return Rebuild(generation=generation, mode="rollback", step=high,
+                   source=servers[pulls[0]] if pulls else min(at_high), pulls=pulls,
+                   why=reasons[0], verify_ready_order=verify_ready_order,
+                   sources={str(r): s for r, s in servers.items()})  # fmt: skip
+
+
+def _inconsistent_logs(positions: dict[int, Position], low: int) -> str | None:
+    """Why the survivors' logs from step ``low`` on cannot be replayed: members of one group
+    that logged different ops (None: every group's logs agree)."""
+    logs: dict[str, dict[int, dict[str, list[str]]]] = {"world": {}}
+    for rank, position in positions.items():
+        logs["world"][rank] = position.signatures
+        for group, steps in position.group_signatures.items():
+            logs.setdefault(group, {})[rank] = steps
+    for group, by_rank in logs.items():
+        steps = {int(s) for signatures in by_rank.values() for s in signatures}
+        for step in sorted(s for s in steps if s >= low):
+            if not _consistent([sigs.get(str(step), []) for sigs in by_rank.values()]):
+                where = "" if group == "world" else f" of group {group}"
+                return f"the survivors logged different ops{where} in step {step}"
+    return None
+
+
+def _busiest(positions: dict[int, Position], candidates: list[int], step: int) -> int:
+    """Of ``candidates``, the one that logged the most of ``step`` (the lowest rank on a tie)."""
+    return max(candidates, key=lambda r: (len(positions[r].signatures.get(str(step), [])), -r))
+
+
+def _sources_for(positions: dict[int, Position], rank: int, candidates: list[int]) -> list[int]:
+    """The candidates that hold a replica of ``rank``'s state (a survivor whose ``replicas``
+    name it, or any when it names no set)."""
+    return [c for c in candidates if c != rank
+            and (positions[c].replicas is None or rank in positions[c].replicas)]  # fmt: skip
+
+
+def _sources(positions: dict[int, Position], pulls: list[int], candidates: list[int],
+             step: int | None) -> dict[int, int]:  # fmt: skip
+    """For each rank that pulls, the candidate that serves it: one that holds a replica of
+    its state, the busiest one in ``step`` first (else the lowest rank)."""
+    sources = {}
+    for rank in pulls:
+        able = _sources_for(positions, rank, candidates)
+        if not able:
+            replicas = sorted(r for r, p in positions.items() if r != rank
+                              and (p.replicas is None or rank in p.replicas))  # fmt: skip
+            if not replicas:
+                raise RecoveryImpossible(
+                    f"no surviving rank holds a replica of rank {rank}'s state: recovering it "
+                    "would need a checkpoint"
+                )
+            at = ", ".join(f"rank {r} at step {positions[r].state_step}" for r in replicas)
+            raise RecoveryImpossible(
+                f"rank {rank}'s replicas ({at}) hold another step's state than the one the "
+                f"job resumes at ({step})"
+            )
+        sources[rank] = _busiest(positions, able, step) if step is not None else min(able)
+    return sources
 
 
 class RecoveryPhase(enum.Enum):
@@ -190,7 +249,7 @@ class Recovery:
         """The serving rank's digest of the state it sent, to the rank that received it."""
         if self.plan is None:
             return []
-        if event.rank != self.plan.source:
+        if event.rank != self.plan.source_of(event.target):
             return [Note("ignored", {"why": f"a state digest from rank {event.rank}, which "
                                             "serves no state"})]  # fmt: skip
         return [ToAll(StateAnnounced(generation=self.generation, rank=event.target,
@@ -248,6 +307,8 @@ class Recovery:
             "mode": mode,
             "resume_step": self.plan.step,
             "source": self.plan.source,
+            "sources": {str(r): self.plan.source_of(r) for r in self.plan.pulls},
+            "groups": _groups(survivors),
             "why_rollback": self.plan.why,
             "phases": {k: round(v, 4) for k, v in phases.items()},
             "total_s": round(resumed - fault.t_fault, 4),
@@ -260,6 +321,23 @@ class Recovery:
         }
 
 
+def _groups(survivors: list[Recovered]) -> dict[str, list[str]]:
+    """Which process groups the survivors rebuilt and which they kept."""
+    rebuilt = sorted({g for r in survivors for g in (r.groups or {}).get("rebuilt", [])})
+    kept = sorted({g for r in survivors for g in (r.groups or {}).get("kept", [])} - set(rebuilt))
+    return {"rebuilt": rebuilt, "kept": kept}
+
+
+def _served(record: dict[str, Any]) -> str:
+    """Who served whom: ``rank 0``, or ``rank 0 (to 1), rank 2 (to 3)``."""
+    sources = record.get("sources") or {}
+    if len(set(sources.values())) <= 1:
+        return f"rank {record['source']}"
+    return ", ".join(
+        f"rank {s} (to {r})" for r, s in sorted(sources.items(), key=lambda i: int(i[0]))
+    )
+
+
 def describe_recovery(record: dict[str, Any]) -> str:
     """One human line for a recovery record."""
     phases = ", ".join(f"{k} {v:.3f}" for k, v in record["phases"].items())
@@ -267,7 +345,7 @@ def describe_recovery(record: dict[str, Any]) -> str:
     text = (
         f"recovered rank {ranks} ({record['fault_kind']} at step {record['step']}) by "
         f"{record['mode']} in {record['total_s']:.2f} s; resumed at step "
-        f"{record['resume_step']} with state from rank {record['source']} [{phases}]"
+        f"{record['resume_step']} with state from {_served(record)} [{phases}]"
     )
     if record.get("why_rollback"):
         text += f"; rolled back because {record['why_rollback']}"

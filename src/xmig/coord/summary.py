@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,17 @@ def _with_checks(job: Job, record: dict[str, Any]) -> dict[str, Any]:
     return {**record, **extra}
 
 
+def final_fingerprint(job: Job) -> str | None:
+    """The final parameters' SHA-256: rank 0's when every rank is a replica of it, else one
+    over each set of replicas' first rank's (in rank order), so that it covers every part."""
+    firsts = {r: d.params_sha256 for r, d in sorted(job.done.items())
+              if d.params_sha256 is not None}  # fmt: skip
+    if not any(d.replicas for d in job.done.values()):
+        return firsts.get(0)
+    joined = "".join(f"{rank}:{digest};" for rank, digest in firsts.items())
+    return hashlib.sha256(joined.encode()).hexdigest()
+
+
 def summary(job: Job, now: float) -> dict[str, Any]:
     """The run's outcome, as ``xmig run --summary`` writes it."""
     ws = job.spec.world_size
@@ -66,7 +78,7 @@ def summary(job: Job, now: float) -> dict[str, Any]:
     exit_code = 0 if completed else 1
     if completed:
         steps = job.done[0].steps if 0 in job.done else None
-        fingerprint = job.done[0].params_sha256 if 0 in job.done else None
+        fingerprint = final_fingerprint(job)
         message = f"completed {steps} steps on {ws} ranks"
         if never:
             # a chaos run whose faults never happened tested nothing: bad input
@@ -95,6 +107,14 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "nproc_per_node": job.spec.nproc_per_node,
         "steps": steps,
         "final_params_sha256": fingerprint,
+        # each set of replicas' first rank -> its parameters' SHA-256 (one set: rank 0's)
+        "final_params_parts": {
+            str(r): d.params_sha256
+            for r, d in sorted(job.done.items())
+            if d.params_sha256 is not None
+        }
+        if completed
+        else {},  # fmt: skip
         "generation": job.generation,
         "faults": [f for f in faults if not f["secondary"]],
         "secondary_faults": [f for f in faults if f["secondary"]],

@@ -3,19 +3,23 @@
 from xmig.proxy.oplog import OpRecord, signature_digest, signature_of
 from xmig.proxy.process_group import (
     FORWARDED_OPS,
+    OpSequence,
     ProxyProcessGroup,
     ReplayCheck,
     ReplayDiverged,
     ReplayMismatch,
+    replay_groups,
 )
 
 __all__ = [
     "FORWARDED_OPS",
     "OpRecord",
+    "OpSequence",
     "ProxyProcessGroup",
     "ReplayCheck",
     "ReplayDiverged",
     "ReplayMismatch",
     "signature_digest",
+    "replay_groups",
     "signature_of",
 ]

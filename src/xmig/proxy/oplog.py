@@ -197,6 +197,8 @@ class OpRecord:
     # the version counters of its outputs once complete: unchanged at a replay, the outputs
     # still hold its result, which the replay's must equal
     output_versions: list[int] | None = None
+    group: str = "world"  # the process group it was issued on
+    seq: int = 0  # its place in the order ops are issued in across every group of the process
 
     @property
     def input_tensors(self) -> list[torch.Tensor]:

@@ -41,6 +41,29 @@ BeforeOp = Callable[[int | None, int, str], None]
 KEPT_INT_BROADCASTS = 8
 
 
+class OpSequence:
+    """The order of the ops one process issues, across all its groups: a replay re-issues the
+    groups' ops in it (a peer recomputing the step issues them in that order, and may wait in
+    one group's op before it issues the next group's). Also the op's number in its step across
+    the groups, which ``collective=K`` faults count."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._step: int | None = None
+        self._in_step = 0
+
+    def take(self, step: int | None) -> tuple[int, int]:
+        """(the op's place in the process's order, its number in ``step``)."""
+        with self._lock:
+            if step != self._step:
+                self._step, self._in_step = step, 0
+            taken = (self._next, self._in_step)
+            self._next += 1
+            self._in_step += 1
+            return taken
+
+
 class ReplayMismatch(RuntimeError):
     """An op the framework issued differs from what the survivors logged for that position."""
 
@@ -62,7 +85,8 @@ class ReplayCheck:
             return
         self.compared += 1
         if not same:
-            self.differ.append({"step": record.step, "index": record.index, "op": record.op})
+            self.differ.append({"step": record.step, "index": record.index, "op": record.op,
+                                "group": record.group})  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {"compared": self.compared, "unverifiable": self.unverifiable,
@@ -96,9 +120,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
         on_trouble: Callable[[str], None] | None = None,
         mode: str = "normal",
         on_issue: Callable[[OpRecord], None] | None = None,
+        group: str = "world",
+        sequence: OpSequence | None = None,
     ) -> None:
         super().__init__(communicator.rank, communicator.size)
         self.communicator = communicator
+        self.group = group  # its name in xmig's communicators (``world``, ``pg<id>``)
+        self.sequence = sequence if sequence is not None else OpSequence()
         self.retired: list[Communicator] = []  # gloo cannot be destroyed while an op hangs
         self.before_op = before_op
         self.keep_log = keep_log
@@ -172,15 +200,17 @@ class ProxyProcessGroup(dist.ProcessGroup):
     def _issue_op(self, op: str, args: tuple[Any, ...]) -> dist.Work:
         index = self.ops_in_step
         self.ops_in_step += 1
+        seq, in_step = self.sequence.take(self.step)
         device = next((t.device for t in tensors_in(args) if t.is_cuda), None)
         # a CUDA-aware future: whoever waits on it also waits for the GPU work behind it
         future = torch.futures.Future(devices=[device]) if device else torch.futures.Future()
-        record = OpRecord(self.step, index, op, args, signature_of(op, args), future)
+        record = OpRecord(self.step, index, op, args, signature_of(op, args), future,
+                          group=self.group, seq=seq)  # fmt: skip
         record.device = device
         injected: BaseException | None = None
         if self.before_op is not None:
             try:
-                self.before_op(self.step, index, op)
+                self.before_op(self.step, in_step, op)
             except Exception as exc:  # an injected communication error: the proxy absorbs it
                 injected = exc
         expected = self._expected.get(self.step) if self.step is not None else None
@@ -425,49 +455,43 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.communicator = communicator
 
     def replay(self, from_step: int, timeout: float, strict: bool = False) -> ReplayCheck:
-        """Re-issue every logged op of ``from_step`` and later on the current communicator:
-        done ops with their logged inputs, pending ops for real (their results complete the
-        framework's futures). A done op's new result must be bit for bit its first one (the
-        peers that recompute the step put in what their failed ranks put in): what differs is
-        counted (the replacements end such ops with the first result, which they were sent),
-        and with ``strict`` stops the replay (``ReplayDiverged``) before anything the
-        framework waits for completes."""
-        started = time.monotonic()
-        check = ReplayCheck()
+        """This group's part of ``replay_groups``."""
+        return replay_groups([self], from_step, timeout, strict)
+
+    def to_replay(self, from_step: int) -> list[tuple[OpRecord, bool]]:
+        """The logged ops of ``from_step`` and later, each with whether it is still pending."""
         records = self.logged(from_step)
-        for device in {r.device for r in records if r.device is not None}:
-            torch.cuda.synchronize(device)  # the logged copies, made on the framework's stream
         with self._cv:
             pending_ids = {id(r) for r in self._queue}
             older = [r for r in self._queue if r.step is None or r.step < from_step]
         if older:
             raise RuntimeError(
-                f"op {older[0].index} of step {older[0].step} is still pending but the job "
-                f"resumes at step {from_step}"
+                f"op {older[0].index} of step {older[0].step} of group {self.group} is still "
+                f"pending but the job resumes at step {from_step}"
             )
-        for record in records:
-            if id(record) not in pending_ids:
-                if record.inputs is None:
-                    raise RuntimeError(f"op {record.index} of step {record.step} was not logged")
-                scratch = record.scratch_args()
-                work = getattr(self.communicator.backend, record.op)(*scratch)
-                self._wait(work, timeout, record)
-                check.add(record, record.compare_replay(scratch))
-                if strict and check.differ:
-                    check.seconds = time.monotonic() - started
-                    raise ReplayDiverged(check)
-                continue
-            record.restore_inputs()
-            work = getattr(self.communicator.backend, record.op)(*record.args)
+        return [(record, id(record) in pending_ids) for record in records]
+
+    def replay_one(self, record: OpRecord, pending: bool, timeout: float) -> bool | None:
+        """Re-issue one logged op: a done one with its logged inputs into scratch outputs
+        (returns whether its result is its first one, None if that cannot be told), a pending
+        one for real (its result completes the framework's future; returns None)."""
+        if not pending:
+            if record.inputs is None:
+                raise RuntimeError(f"op {record.index} of step {record.step} was not logged")
+            scratch = record.scratch_args()
+            work = getattr(self.communicator.backend, record.op)(*scratch)
             self._wait(work, timeout, record)
-            value = work.get_future().value()
-            with self._cv:
-                self._queue.remove(record)
-                record.state, record.error, record.work = "done", None, work
-                self._remember(record)
-            _complete(record, work, value)
-        check.seconds = time.monotonic() - started
-        return check
+            return record.compare_replay(scratch)
+        record.restore_inputs()
+        work = getattr(self.communicator.backend, record.op)(*record.args)
+        self._wait(work, timeout, record)
+        value = work.get_future().value()
+        with self._cv:
+            self._queue.remove(record)
+            record.state, record.error, record.work = "done", None, work
+            self._remember(record)
+        _complete(record, work, value)
+        return None
 
     @staticmethod
     def _wait(work: dist.Work, timeout: float, record: OpRecord) -> None:
@@ -507,6 +531,36 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 record.state, record.error, record.work = "queued", None, None
                 record.done_event = threading.Event()
             self._cv.notify_all()
+
+
+def replay_groups(
+    proxies: list[ProxyProcessGroup], from_step: int, timeout: float, strict: bool = False
+) -> ReplayCheck:
+    """Re-issue every logged op of ``from_step`` and later of these groups on their current
+    communicators, in the order this process first issued them (``OpSequence``): done ops
+    with their logged inputs, pending ops for real (their results complete the framework's
+    futures). A done op's new result must be bit for bit its first one (the peers that
+    recompute the step put in what their failed ranks put in): what differs is counted (the
+    replacements end such ops with the first result, which they were sent), and with
+    ``strict`` stops the replay (``ReplayDiverged``) before anything the framework waits for
+    completes."""
+    started = time.monotonic()
+    check = ReplayCheck()
+    work = [(proxy, record, pending) for proxy in proxies
+            for record, pending in proxy.to_replay(from_step)]  # fmt: skip
+    work.sort(key=lambda item: item[1].seq)
+    for device in {r.device for _, r, _ in work if r.device is not None}:
+        torch.cuda.synchronize(device)  # the logged copies, made on the framework's stream
+    for proxy, record, pending in work:
+        same = proxy.replay_one(record, pending, timeout)
+        if pending:
+            continue
+        check.add(record, same)
+        if strict and check.differ:
+            check.seconds = time.monotonic() - started
+            raise ReplayDiverged(check)
+    check.seconds = time.monotonic() - started
+    return check
 
 
 def _complete(record: OpRecord, work: dist.Work | None, value: Any) -> None:

@@ -45,8 +45,9 @@ class ReplacementPayload:
     first_step: int | None
     state: dict[str, Any]  # registered name -> its state_dict()
     ddp: DdpPayload = field(default_factory=DdpPayload)
-    signatures: list[str] | None = None  # the step's ops as the survivors logged them (replay)
-    # the results the ops the survivors replay had before the fault ("step:index" -> its
+    # the step's ops as the survivors logged them, per process group (replay)
+    signatures: dict[str, list[str]] | None = None
+    # the results the ops the survivors replay had before the fault ("group:step:index" -> its
     # output tensors): the replacement's ops end with these (every rank goes on from the same)
     results: dict[str, list[torch.Tensor]] | None = None
 
@@ -93,7 +94,7 @@ class ReplacementPayload:
                 ready_order=_ints(ddp["ready_order"], "ddp.ready_order"),
                 verify_ready_order=_bool(ddp["verify_ready_order"], "ddp.verify_ready_order"),
             ),
-            signatures=_strings(body["signatures"], "signatures"),
+            signatures=_signatures(body["signatures"]),
             results=_results(body["results"]),
         )
 
@@ -132,10 +133,28 @@ def _results(value: Any) -> dict[str, list[torch.Tensor]] | None:
     if not isinstance(value, dict):
         raise PayloadError("results is not a mapping")
     for key, tensors in value.items():
-        step, _, index = str(key).partition(":")
-        if not (step.isdigit() and index.isdigit()):
-            raise PayloadError(f"results: {str(key)[:20]!r} is not step:index")
+        group, step, index = result_key(key)
+        if not (group and step.isdigit() and index.isdigit()):
+            raise PayloadError(f"results: {str(key)[:40]!r} is not group:step:index")
         _tensors(tensors, f"results[{key}]")
+    return value
+
+
+def result_key(key: Any) -> tuple[str, str, str]:
+    """A results key's (group, step, index), as text."""
+    group, _, rest = str(key).partition(":")
+    step, _, index = rest.partition(":")
+    return group, step, index
+
+
+def _signatures(value: Any) -> dict[str, list[str]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PayloadError("signatures is not a mapping of groups")
+    for group, signatures in value.items():
+        if _strings(signatures, f"signatures[{str(group)[:20]}]") is None:
+            raise PayloadError(f"signatures[{str(group)[:20]}] is not a list of strings")
     return value
 
 

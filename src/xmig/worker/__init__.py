@@ -1,6 +1,8 @@
 """The worker side of xmig, by role: what ``xmig.session`` runs inside a training process.
 
-- ``context``: what the parts share (environment, process group, link, position, state lock)
+- ``context``: what the parts share (environment, process groups, link, position, state lock)
+- ``groups``: every process group of the worker (the world and those the script makes), each
+  a proxy of its own; which a recovery rebuilds and which it keeps
 - ``phase``: the worker's phases and the one table of transitions between them
 - ``backend``: the ``xmig`` c10d backend, the job's store and the communicators built on it
 - ``registry``: the objects a script registers (the state a replacement pulls)

@@ -1,4 +1,4 @@
-"""The ``xmig`` c10d backend: the default process group is a proxy over the generation's real
+"""The ``xmig`` c10d backend: every process group is a proxy over the generation's real
 communicator, met through the job's store."""
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ NCCL_ENVIRONMENT = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
 
-ProxyFactory = Callable[[Communicator], ProxyProcessGroup]
+# (c10d's name of the group, its members' global ranks or None for the default group, this
+# rank's rank in it, its size) -> the group's proxy
+GroupFactory = Callable[[str, list[int] | None, int, int], ProxyProcessGroup]
 
 
 def device_of(backend: str, local_rank: int) -> torch.device:
@@ -56,16 +58,23 @@ class Comms:
         self.env = env
         self.store = self.job_store()
 
-    def communicator(self, group: str, generation: int, rank: int, size: int) -> Communicator:
-        assert self.store is not None
+    def communicator(self, group: str, generation: int, rank: int, size: int,
+                     store: dist.Store | None = None) -> Communicator:  # fmt: skip
+        """``store``: a client of the job's store for this communicator alone. A thread that
+        builds one while another thread builds another needs its own: a store client
+        serves one request at a time, and gloo's meeting waits inside one until the peers
+        are there (one that waits for a peer that waits for the other thread never ends)."""
+        store = store if store is not None else self.store
+        assert store is not None
         where = f"the job's c10d store at {self.env.master_addr}:{self.env.master_port}"
-        return Communicator(self.backend, group, generation, self.store, rank, size,
+        return Communicator(self.backend, group, generation, store, rank, size,
                             self.timeout, where=where)  # fmt: skip
 
 
-def init_process_group(comms: Comms, make_proxy: ProxyFactory) -> ProxyProcessGroup:
+def init_process_group(comms: Comms, make_group: GroupFactory) -> ProxyProcessGroup:
     """Create the default process group, an ``xmig`` group whose backend is the proxy
-    ``make_proxy`` builds over the generation's world communicator."""
+    ``make_group`` builds; every group the script makes later with the ``xmig`` backend
+    (``new_group``, a ``DeviceMesh``) gets its proxy the same way."""
     env = comms.env
     if dist.is_initialized():
         raise XmigError(
@@ -79,14 +88,18 @@ def init_process_group(comms: Comms, make_proxy: ProxyFactory) -> ProxyProcessGr
     created: list[ProxyProcessGroup] = []
     raw_store = comms.job_store() if env.managed else None
 
-    def create(store: dist.Store, rank: int, size: int, _timeout: timedelta) -> Any:
-        # c10d hands a store with a prefix of its own choosing; xmig's communicators use
-        # the job's store directly, so a process that reconnects (after a migration)
-        # finds their keys with a store client of its own
-        comms.store = raw_store if raw_store is not None else store
-        proxy = make_proxy(comms.communicator("world", env.generation, rank, size))
-        created.append(proxy)
-        return proxy
+    def create(options: Any, _backend_options: Any) -> Any:
+        if not created:
+            # c10d hands a store with a prefix of its own choosing; xmig's communicators use
+            # the job's store directly, so a process that reconnects (after a migration)
+            # finds their keys with a store client of its own
+            comms.store = raw_store if raw_store is not None else options.store
+            proxy = make_group(str(options.group_id), None, options.group_rank,
+                               options.group_size)  # fmt: skip
+            created.append(proxy)
+            return proxy
+        ranks = [int(r) for r in options.global_ranks_in_group]
+        return make_group(str(options.group_id), ranks, options.group_rank, options.group_size)
 
     global _create_group
     _create_group = create
@@ -111,12 +124,14 @@ def init_process_group(comms: Comms, make_proxy: ProxyFactory) -> ProxyProcessGr
 _create_group: Callable[..., Any] | None = None
 
 
-def _create_from_session(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+def _create_from_session(options: Any, backend_options: Any) -> Any:
     assert _create_group is not None
-    return _create_group(store, rank, size, timeout)
+    return _create_group(options, backend_options)
 
 
 def _register_backend(backend: str) -> None:
     if BACKEND_NAME not in dist.Backend.backend_list:
         devices = ["cuda"] if backend == "nccl" else ["cpu"]
-        dist.Backend.register_backend(BACKEND_NAME, _create_from_session, devices=devices)
+        # the extended API: a group's creator learns its name and its members' global ranks
+        dist.Backend.register_backend(BACKEND_NAME, _create_from_session, extended_api=True,
+                                      devices=devices)  # fmt: skip

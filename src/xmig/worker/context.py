@@ -16,6 +16,7 @@ from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup
 from xmig.worker.backend import Comms, device_of
 from xmig.worker.errors import exit_now
+from xmig.worker.groups import Groups
 from xmig.worker.orders import Orders
 from xmig.worker.phase import Phase
 from xmig.worker.registry import Registry
@@ -43,6 +44,8 @@ class WorkerContext:
         self.device = device_of(backend, env.local_rank)
         self.comms = Comms(env, backend, timeout)
         self.registry = Registry()
+        self.groups = Groups()  # every process group's proxy; ``proxy`` is the world's
+        self.prologue_local = env.replacement  # a replacement's ops before it joins: local
         # the parts load and read the state through the Session (a script may wrap it)
         self.load_state: Callable[[dict[str, Any]], None] = self.registry.load_state
         self.state_dict: Callable[[], dict[str, Any]] = self.registry.state_dict
@@ -70,6 +73,17 @@ class WorkerContext:
         if self.step is None:
             return None
         return self.step + 1 if self.optimizer_stepped else self.step
+
+    def replicas(self) -> list[int] | None:
+        """The ranks whose registered state is this rank's, by construction: the ranks of the
+        group its DDP trains over (None: every rank, or no replica known)."""
+        ddp = self.registry.ddp
+        if ddp is None:
+            return None
+        group = self.groups.of(getattr(ddp, "process_group", None))
+        if group is None or len(group.ranks) == self.world_size:
+            return None
+        return list(group.ranks)
 
     def connect(self, env: WorkerEnv | None = None) -> None:
         """Connect to this node's agent (again, after a move: ``env`` says where)."""

@@ -8,6 +8,7 @@ import time
 import torch
 
 from xmig import protocol
+from xmig.proxy import ProxyProcessGroup
 from xmig.state import DdpPayload
 from xmig.state import ddp as ddp_state
 from xmig.worker.context import WorkerContext
@@ -26,6 +27,22 @@ class DdpLayout:
         self._ready: ddp_state.ReadyOrder | None = None
 
     @property
+    def proxy(self) -> ProxyProcessGroup:
+        """The proxy of the group DDP trains over (its layout broadcasts go through it)."""
+        ctx = self._ctx
+        ddp = ctx.registry.ddp
+        group = ctx.groups.of(getattr(ddp, "process_group", None)) if ddp is not None else None
+        return group.proxy if group is not None else ctx.proxy
+
+    @property
+    def root(self) -> int:
+        """The global rank that broadcasts DDP's layout: its group's rank 0."""
+        ctx = self._ctx
+        ddp = ctx.registry.ddp
+        group = ctx.groups.of(getattr(ddp, "process_group", None)) if ddp is not None else None
+        return group.ranks[0] if group is not None else 0
+
+    @property
     def digest(self) -> str | None:
         return ddp_state.layout_digest(self.layout) if self.layout else None
 
@@ -42,7 +59,7 @@ class DdpLayout:
         ddp = self._ctx.registry.ddp
         if ddp is not None and self.layout is None and ddp_state.rebuilds(ddp):
             # the layout DDP took in this step, if it rebuilt its buckets in it
-            self.layout = ddp_state.complete_layout(self._ctx.proxy.int_broadcasts, step)
+            self.layout = ddp_state.complete_layout(self.proxy.int_broadcasts, step)
         if self._ready is not None:
             self._check_ready_order(self._ready.stop())
             self._ready = None
@@ -68,7 +85,7 @@ class DdpLayout:
         payload = DdpPayload(layout=self.layout, ready_order=self.ready_order,
                              verify_ready_order=verify_ready_order)  # fmt: skip
         if self._ctx.registry.ddp is not None and self.layout is None:
-            seen = self._ctx.proxy.int_broadcasts
+            seen = self.proxy.int_broadcasts
             # rebuilt in an earlier step, or in this one (its payloads go out again, from the
             # replacement when it is their root)
             earlier = [b for b in seen if b.step is not None and b.step < step]
@@ -87,13 +104,13 @@ class DdpLayout:
         if ddp is None:
             return
         if payload.layout is not None:
-            ctx.proxy.serve_broadcasts(payload.layout)
+            self.proxy.serve_broadcasts(payload.layout)
             if not ddp_state.rebuild_now(ddp):
                 raise RecoveryFailed("DDP refused to take its peers' bucket layout")
             self.layout = payload.layout
         elif step > (first_step or 0):
             ddp_state.prepare_rebuild(ddp)  # its peers rebuild in this very step
             for index, tensor in enumerate(payload.in_step or [], start=payload.in_step_index):
-                ctx.proxy.override_broadcast(step, index, tensor)
+                self.proxy.override_broadcast(step, index, tensor)
         if payload.verify_ready_order:
             self.verify_order = payload.ready_order

@@ -56,6 +56,15 @@ class StepLoop:
             )
         ctx.total = total
         ctx.registry.find_ddp()
+        replicas = ctx.replicas()
+        if replicas is not None and len(replicas) < 2 and ctx.link is not None:
+            # found out now, not at the fault
+            why = (f"no replica of rank {ctx.rank}'s state: its DDP trains over a group of one "
+                   f"rank, so recovery of rank {ctx.rank} would need a checkpoint (xmig "
+                   "recovers a rank from a peer that holds the same state)")  # fmt: skip
+            ctx.send(protocol.CannotRecover(why=why, t=time.time()))
+            time.sleep(10.0)  # the coordinator stops the job meanwhile
+            raise XmigError(why)
         hooks = install_hooks(ctx, self._gate)
         unreachable = ctx.injector.unreachable(total)
         if unreachable:
@@ -81,7 +90,8 @@ class StepLoop:
                     ctx.step = step
                     ctx.optimizer_stepped = False
                     reseed(ctx.seed, ctx.rank, step)
-                    ctx.proxy.begin_step(step)
+                    for proxy in ctx.groups.proxies():
+                        proxy.begin_step(step)
                 if ctx.link is not None:
                     ctx.link.started(step)
                 ctx.injector.at_point(step, "boundary")
@@ -93,7 +103,8 @@ class StepLoop:
                 ctx.step = total
                 ctx.optimizer_stepped = False
                 ctx.registry.at_boundary(total)
-                ctx.proxy.begin_step(total)
+                for proxy in ctx.groups.proxies():
+                    proxy.begin_step(total)
             self._verifier.at_boundary(total)
             ctx.injector.at_point(total, "boundary")
         finally:
@@ -112,7 +123,9 @@ class StepLoop:
     def _finish(self, total: int) -> None:
         ctx = self._ctx
         model = ctx.registry.model()
-        fingerprint = params_sha256(model) if ctx.rank == 0 and model is not None else None
+        replicas = ctx.replicas()
+        first = min(replicas) if replicas else 0  # each set of replicas' first rank
+        fingerprint = params_sha256(model) if ctx.rank == first and model is not None else None
         if ctx.tracer is not None:
             ctx.tracer.final(model)
         unfired = ctx.injector.pending
@@ -121,7 +134,8 @@ class StepLoop:
             logger.warning("rank %d: faults never reached: %s", ctx.rank, names)
         if ctx.link is not None:
             done = protocol.Done(steps=total, params_sha256=fingerprint,
-                                 checksum=self._verifier.checksum())  # fmt: skip
+                                 checksum=self._verifier.checksum(),
+                                 replicas=replicas)  # fmt: skip
             ctx.link.ask(done, timeout=10.0)
         ctx.finished = True
         self._enter(WorkerPhase.FINISHED)

@@ -75,7 +75,8 @@ class Migration:
         if ctx.backend == "nccl":
             # the communicator is replaced on resume; aborting it now frees the peers' mappings
             # of each other's GPU memory, which a GPU checkpoint of a moving rank needs
-            ctx.proxy.abort_communicator(wait=True)
+            for proxy in ctx.groups.proxies():
+                proxy.abort_communicator(wait=True)
         ctx.send(protocol.Paused(generation=generation, step=step, t=time.time()))
         while True:
             order = ctx.orders.boundary.next(generation, ctx.env.recovery_timeout)
@@ -87,8 +88,10 @@ class Migration:
             if isinstance(order, protocol.Dump):
                 self._be_moved(order)
             elif isinstance(order, protocol.Resume):
-                ctx.proxy.switch(ctx.comms.communicator("world", generation, ctx.rank,
-                                                        ctx.world_size))  # fmt: skip
+                for group in ctx.groups.all():  # the moved rank's connections are closed
+                    group.proxy.switch(ctx.comms.communicator(
+                        group.name, generation, group.proxy.communicator.rank,
+                        group.proxy.communicator.size))  # fmt: skip
                 ctx.send(protocol.Resumed(generation=generation, t=time.time()))
                 break
         ctx.phase.move(WorkerPhase.TRAINING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,14 +22,16 @@ def pull_report(role: str, stats: TransferStats) -> dict[str, Any]:
 
 
 def serve(
-    ctx: WorkerContext, generation: int, targets: list[int], payload: ReplacementPayload
+    ctx: WorkerContext,
+    generation: int,
+    targets: list[int],
+    payload_for: Callable[[int], ReplacementPayload],
 ) -> dict[str, Any]:
-    """Send ``payload`` to each rank of ``targets`` in turn; returns the pull's report."""
+    """Send each rank of ``targets`` in turn its payload; returns the pull's report."""
     total = TransferStats()
-    wire = payload.to_wire()
     for target in targets:
         pair = ctx.comms.communicator(f"pull{target}", generation, 0, 2)
-        stats = send_state(pair, wire, ctx.device)
+        stats = send_state(pair, payload_for(target).to_wire(), ctx.device)
         # over the authenticated channel: the receiver checks what it got against it
         ctx.send(protocol.StateSent(generation=generation, target=target, digest=stats.digest,
                                     t=time.time()))  # fmt: skip
@@ -42,7 +45,9 @@ def receive(
     ctx: WorkerContext, generation: int, stream: torch.cuda.Stream | None = None
 ) -> tuple[Any, TransferStats]:
     """Receive what the serving rank sends this one (not yet checked: ``check_digest``)."""
-    pair = ctx.comms.communicator(f"pull{ctx.rank}", generation, 1, 2)
+    # on a thread of its own in a replacement, while its script makes its process groups
+    store = ctx.comms.job_store() if ctx.env.token is not None else None
+    pair = ctx.comms.communicator(f"pull{ctx.rank}", generation, 1, 2, store=store)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         return recv_state(pair, ctx.device, ctx.device)
 

@@ -12,6 +12,7 @@ import torch
 
 from xmig import protocol
 from xmig.state import PayloadError, ReplacementPayload
+from xmig.state.payload import result_key
 from xmig.worker import pull
 from xmig.worker.context import WorkerContext
 from xmig.worker.errors import RecoveryFailed
@@ -97,13 +98,25 @@ class Replacement:
             torch.cuda.empty_cache()
         ctx.first_step = payload.first_step
         self._layout.adopt(payload.ddp, payload.step, payload.first_step)
-        if payload.signatures is not None:
-            ctx.proxy.expect_signatures(payload.step, payload.signatures)
-        if payload.results:
-            ctx.proxy.expect_results({(int(step), int(index)): outputs
-                                      for key, outputs in payload.results.items()
-                                      for step, _, index in [key.partition(":")]})  # fmt: skip
-        ctx.proxy.resume("normal")
+        groups = ctx.groups.all()
+        known = {g.name for g in groups}
+        for name, signatures in (payload.signatures or {}).items():
+            group = ctx.groups.named(name)
+            if group is None:
+                raise RecoveryFailed(f"the survivors replay process group {name}, which this "
+                                     f"rank has not made (it has {sorted(known)})")  # fmt: skip
+            group.proxy.expect_signatures(payload.step, signatures)
+        results: dict[str, dict[tuple[int, int], list[torch.Tensor]]] = {}
+        for key, outputs in (payload.results or {}).items():
+            name, step, index = result_key(key)
+            results.setdefault(name, {})[(int(step), int(index))] = outputs
+        for name, expected in results.items():
+            group = ctx.groups.named(name)
+            if group is not None:
+                group.proxy.expect_results(expected)
+        ctx.prologue_local = False
+        for group in groups:
+            group.proxy.resume("normal")
         phases = {"pull": stats.seconds, "join": time.monotonic() - started, "waited": waited}
         ctx.send(protocol.Recovered(generation=ctx.env.generation, role="replacement",
                                     phases=phases, pull=pull.pull_report("receiver", stats),

@@ -11,12 +11,13 @@ from typing import Any
 
 from xmig import protocol
 from xmig.bitwise import replay_divergence
-from xmig.proxy import ReplayCheck, ReplayDiverged
+from xmig.proxy import ProxyProcessGroup, ReplayCheck, ReplayDiverged, replay_groups
 from xmig.state import ReplacementPayload
 from xmig.state import ddp as ddp_state
 from xmig.worker import pull
 from xmig.worker.context import STATE_LOCK_TIMEOUT_S, WorkerContext
 from xmig.worker.errors import RecoveryFailed
+from xmig.worker.groups import WORLD, Group
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.layout import DdpLayout
 from xmig.worker.phase import WorkerPhase
@@ -36,6 +37,7 @@ class Survivor:
         # a rollback: the step to go on from at the next boundary, and the state pulled for it
         self._redo_from: int | None = None
         self._stash: dict[str, Any] | None = None
+        self._rolled_back: list[Group] = []  # the groups a rollback serves locally
 
     def on_park(self, park: protocol.Park) -> None:
         """From the order consumer: recoveries run in turn on a thread of their own, which
@@ -62,48 +64,70 @@ class Survivor:
             raise RecoveryFailed("the framework held the state lock too long")
         try:
             was = ctx.phase.move(WorkerPhase.PARKED)
-            ctx.proxy.halt()
-            ctx.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
-            if 0 in park.replaced:
+            # the groups that hold a replaced rank are rebuilt (all of them after a
+            # communication error, whose group only the failing rank knows); the others'
+            # ops go on meanwhile
+            rebuilt = ctx.groups.holding(park.replaced) if park.replaced else ctx.groups.all()
+            kept = [g for g in ctx.groups.all() if g not in rebuilt]
+            for group in rebuilt:
+                group.proxy.halt()
+                group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
+            if self._layout.root in park.replaced:
                 self._finish_layout_locally()
             ctx.send(protocol.Parked(generation=generation, position=self.position(),
                                      t=time.time()))  # fmt: skip
             plan = ctx.orders.plans.next(generation, ctx.env.recovery_timeout)
             if plan is None:
                 raise RecoveryFailed(f"no rebuild order within {ctx.env.recovery_timeout:.0f} s")
+            if plan.mode == "rollback":
+                # every rank serves the rest of its step locally and redoes a step from its
+                # start: no group may keep an op in flight that a peer will not issue
+                for group in kept:
+                    group.proxy.halt()
+                    group.proxy.abort_communicator()
+                rebuilt, kept = rebuilt + kept, []
             # before the step runs on (the training thread reaches the next boundary as soon
             # as the replay is done)
             self._verifier.expect(generation, plan.step)
             parked = time.monotonic()
-            communicator = ctx.comms.communicator("world", generation, ctx.rank, ctx.world_size)
-            rebuilt = time.monotonic()
+            communicators = [
+                ctx.comms.communicator(g.name, generation, g.proxy.communicator.rank,
+                                       g.proxy.communicator.size)
+                for g in rebuilt
+            ]  # fmt: skip
+            built = time.monotonic()
             report = self._serve_or_receive(plan)  # includes waiting for the receiver
             pulled = time.monotonic()
-            ctx.proxy.switch(communicator)
+            for group, communicator in zip(rebuilt, communicators, strict=True):
+                group.proxy.switch(communicator)
             check = None
             if plan.mode == "replay":
-                check = self._replay(plan)
-                ctx.proxy.resume()
+                check = self._replay(plan, [g.proxy for g in rebuilt])
+                for group in rebuilt:
+                    group.proxy.resume()
             else:
-                self.roll_back(plan.step)
+                self.roll_back(plan.step, rebuilt)
             ctx.phase.move(was)
         finally:
             ctx.state_lock.release()
-        phases = {"park": parked - started, "rebuild": rebuilt - parked,
-                  "pull": pulled - rebuilt, "replay": check.seconds if check else 0.0}  # fmt: skip
+        phases = {"park": parked - started, "rebuild": built - parked,
+                  "pull": pulled - built, "replay": check.seconds if check else 0.0}  # fmt: skip
         ctx.send(protocol.Recovered(generation=generation, role="survivor", phases=phases,
                                     pull=report, t_resumed=time.time(),
                                     replay_check=check.to_json() if check else None,
+                                    groups={"rebuilt": [g.label for g in rebuilt],
+                                            "kept": [g.label for g in kept]},
                                     t=time.time()))  # fmt: skip
         if ctx.finished:  # a finished rank that served a peer: its state is the end's
             self._verifier.at_boundary(ctx.total if ctx.total is not None else plan.step)
 
-    def _replay(self, plan: protocol.Rebuild) -> ReplayCheck:
-        """Re-issue the logged step; with ``--strict`` a result that differs from the first
-        one stops the recovery before the framework sees anything."""
+    def _replay(self, plan: protocol.Rebuild, proxies: list[ProxyProcessGroup]) -> ReplayCheck:
+        """Re-issue the logged step of the rebuilt groups; with ``--strict`` a result that
+        differs from the first one stops the recovery before the framework sees anything."""
         ctx = self._ctx
         try:
-            return ctx.proxy.replay(plan.step, ctx.env.recovery_timeout, strict=ctx.env.strict)
+            return replay_groups(proxies, plan.step, ctx.env.recovery_timeout,
+                                 strict=ctx.env.strict)  # fmt: skip
         except ReplayDiverged as exc:
             why = replay_divergence(exc.check.differ[0], plan.pulls)
             raise RecoveryFailed(f"--strict: {why}") from None
@@ -114,20 +138,24 @@ class Survivor:
         log_from = None
         if ctx.step is not None:
             log_from = max(ctx.step - 1, ctx.first_step or 0)
-        signatures: dict[str, list[str]] = {}
+        by_group: dict[str, dict[str, list[str]]] = {}
         if ctx.step is not None and ctx.env.keep_log:
-            for record in ctx.proxy.logged(log_from or 0):
-                signatures.setdefault(str(record.step), []).append(record.signature)
+            for group in ctx.groups.all():
+                signatures = by_group.setdefault(group.name, {})
+                for record in group.proxy.logged(log_from or 0):
+                    signatures.setdefault(str(record.step), []).append(record.signature)
         return protocol.Position(
             step=ctx.step,
             state_step=ctx.state_step,
             log_from=log_from,
             keep_log=ctx.env.keep_log,
-            signatures=signatures,
-            pending=len(ctx.proxy.pending()),
+            signatures=by_group.pop(WORLD, {}),
+            pending=sum(len(proxy.pending()) for proxy in ctx.groups.proxies()),
             optimizer_waiting=ctx.optimizer_waiting,
             ddp_layout=self._layout.digest,
             ddp_layout_source=self._layout.source,
+            group_signatures={name: steps for name, steps in by_group.items() if steps},
+            replicas=ctx.replicas(),
         )
 
     def _finish_layout_locally(self) -> None:
@@ -136,7 +164,7 @@ class Survivor:
         the network, the step running on (the state lock let go) until DDP has taken it. The
         replacement takes the same layout; the coordinator checks that every survivor's is
         the same and whether any saw rank 0's."""
-        ctx, proxy = self._ctx, self._ctx.proxy
+        ctx, proxy = self._ctx, self._layout.proxy
         ddp = ctx.registry.ddp
         if ddp is None or self._layout.layout is not None or not ddp_state.rebuilds(ddp):
             return
@@ -171,8 +199,10 @@ class Survivor:
 
     def _serve_or_receive(self, plan: protocol.Rebuild) -> dict[str, Any] | None:
         ctx = self._ctx
-        if plan.source == ctx.rank and plan.pulls:
-            return pull.serve(ctx, plan.generation, plan.pulls, self._outgoing(plan))
+        targets = plan.served_by(ctx.rank)
+        if targets:
+            return pull.serve(ctx, plan.generation, targets,
+                              lambda target: self._outgoing(plan, target))  # fmt: skip
         if ctx.rank in plan.pulls:
             incoming, stats = pull.receive(ctx, plan.generation)
             pull.check_digest(ctx, plan.generation, stats.digest)
@@ -180,36 +210,43 @@ class Survivor:
             return pull.pull_report("receiver", stats)
         return None
 
-    def _outgoing(self, plan: protocol.Rebuild) -> ReplacementPayload:
+    def _outgoing(self, plan: protocol.Rebuild, target: int) -> ReplacementPayload:
+        """What ``target`` resumes from: the state, and for each group it shares with this
+        rank the step's ops as logged here and what the done ones got before the fault (its
+        ops end with those: ``ProxyProcessGroup.expect_results``)."""
         ctx = self._ctx
-        signatures = [r.signature for r in ctx.proxy.logged(plan.step) if r.step == plan.step]
+        shared = [g for g in ctx.groups.all() if target in g.ranks]
+        signatures: dict[str, list[str]] | None = None
+        results: dict[str, list[Any]] | None = None
+        if plan.mode == "replay":
+            signatures, results = {}, {}
+            for group in shared:
+                logged = group.proxy.logged(plan.step)
+                signatures[group.name] = [r.signature for r in logged if r.step == plan.step]
+                done = group.proxy.done_results(plan.step)
+                results.update({f"{group.name}:{step}:{index}": outputs
+                                for (step, index), outputs in done.items()})  # fmt: skip
         return ReplacementPayload(
             step=plan.step,
             mode=plan.mode,
             first_step=ctx.first_step,
             state=ctx.state_dict(),
             ddp=self._layout.outgoing(plan.step, plan.verify_ready_order),
-            signatures=signatures if plan.mode == "replay" else None,
-            results=self._results(plan),
+            signatures=signatures,
+            results=results,
         )
 
-    def _results(self, plan: protocol.Rebuild) -> dict[str, list[Any]] | None:
-        """What the ops to be replayed got before the fault, for the replacement to end them
-        with (``ProxyProcessGroup.expect_results``)."""
-        if plan.mode != "replay":
-            return None
-        done = self._ctx.proxy.done_results(plan.step)
-        return {f"{step}:{index}": outputs for (step, index), outputs in done.items()}
-
     # ---- rollback ---------------------------------------------------------------------------
-    def roll_back(self, resume_step: int) -> None:
+    def roll_back(self, resume_step: int, rebuilt: list[Group] | None = None) -> None:
         """Finish the current step without the network or an optimizer update, then go on
         from ``resume_step`` with the state as of its start (``redo_at_boundary``)."""
         optimizer = self._ctx.registry.optimizer()
         if optimizer is not None and not self._ctx.optimizer_stepped:
             self._gate.skip_update(optimizer)  # this step's update must not happen
         self._redo_from = resume_step
-        self._ctx.proxy.skip_rest_of_step()
+        self._rolled_back = rebuilt if rebuilt is not None else self._ctx.groups.all()
+        for group in self._rolled_back:
+            group.proxy.skip_rest_of_step()
 
     def redo_at_boundary(self, step: int) -> int | None:
         """At the boundary after ``step``: the step to redo after a rollback (the state
@@ -229,5 +266,7 @@ class Survivor:
             optimizer = ctx.registry.optimizer()
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
-            ctx.proxy.resume("normal")
+            for group in self._rolled_back:
+                group.proxy.resume("normal")
+            self._rolled_back = []
         return redo

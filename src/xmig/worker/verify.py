@@ -1,5 +1,6 @@
 """The check after a recovery: every rank reports a checksum of its parameters at the same
-boundary, and the coordinator stops the job if DDP's replicas differ."""
+boundary, and the coordinator stops the job if DDP's replicas differ (each set of replicas
+compared within itself)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Verifier:
             self._due = due
             return
         self._ctx.send(protocol.Verify(generation=due[0], step=step, checksum=self.checksum(),
-                                       t=time.time()))  # fmt: skip
+                                       replicas=self._ctx.replicas(), t=time.time()))  # fmt: skip
 
     def checksum(self) -> str | None:
         """A checksum of the parameters when they are DDP replicas (equal on every rank)."""
