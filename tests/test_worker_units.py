@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from xmig import protocol
 from xmig.agent.link import handle_push
@@ -427,3 +428,70 @@ def test_a_worker_knows_which_of_its_groups_a_replaced_rank_is_in():
     assert groups.of(SimpleNamespace(group_name="3")).name == "pg3"
     with pytest.raises(ValueError, match="made twice"):
         groups.add(Group("pg1", "1", [0, 2], groups.named("pg1").proxy))
+
+
+def test_the_single_tensor_ops_of_newer_torch_go_through_the_proxy_as_the_ops_they_are(proxy):
+    """torch 2.13's all_gather_single and reduce_scatter_single (FSDP2 issues them) are
+    logged as _allgather_base and _reduce_scatter_base; gloo's reduce-scatter work has no
+    future, and its op still completes."""
+    proxy.begin_step(0)
+    gathered, shard = torch.zeros(4), torch.arange(4.0)
+    proxy.all_gather_single(gathered, shard, AllgatherOptions()).wait()
+    out = torch.zeros(4)
+    proxy.reduce_scatter_single(out, torch.arange(4.0) * 2, dist.ReduceScatterOptions()).wait()
+    assert torch.equal(gathered, shard) and torch.equal(out, torch.arange(4.0) * 2)
+    assert [r.op for r in proxy.logged(0)] == ["_allgather_base", "_reduce_scatter_base"]
+    assert all(r.state == "done" for r in proxy.logged(0))
+    check = proxy.replay(0, timeout=10.0)  # re-issued and compared like any other op
+    assert check.compared == 2 and not check.differ
+
+
+def test_a_dtensor_parameter_is_fingerprinted_by_its_local_shard():
+    from xmig.state.fingerprint import local_part, params_sha256
+
+    class Sharded(torch.Tensor):
+        def to_local(self):
+            return torch.ones(2)
+
+    plain = torch.zeros(3)
+    assert local_part(plain) is plain
+    assert torch.equal(local_part(torch.zeros(3).as_subclass(Sharded)), torch.ones(2))
+    model = torch.nn.Linear(2, 1, bias=False)
+    assert len(params_sha256(model)) == 64
+
+
+def test_the_replicas_of_a_dtensor_rank_are_those_with_its_shard_coordinates():
+    from xmig.worker.context import dtensor_replicas, dtensor_shard
+
+    def placement(replicate):
+        return SimpleNamespace(is_replicate=lambda: replicate)
+
+    def model_on(grid, placements):
+        model = torch.nn.Linear(2, 2, bias=False)
+        model.weight.device_mesh = SimpleNamespace(mesh=torch.tensor(grid))
+        model.weight.placements = tuple(placement(r) for r in placements)
+        return model
+
+    hsdp = model_on([[0, 1], [2, 3]], [True, False])  # (replicate, shard)
+    assert dtensor_replicas(hsdp, 1) == [1, 3] and dtensor_shard(hsdp, 1) == "1"
+    fsdp = model_on([0, 1, 2, 3], [False])
+    assert dtensor_replicas(fsdp, 2) == [2] and dtensor_shard(fsdp, 2) == "2"
+    assert dtensor_replicas(torch.nn.Linear(2, 2), 0) is None  # no DTensor: no sets
+
+
+def test_sharded_state_travels_as_its_local_shards():
+    from xmig.state.dtensors import is_dtensor, local_shards
+
+    class Sharded(torch.Tensor):
+        device_mesh = "mesh"
+
+        def to_local(self):
+            return torch.full((2,), 7.0)
+
+    sharded = torch.zeros(4).as_subclass(Sharded)
+    state = {"w": sharded, "nested": [sharded, {"step": 3}], "plain": torch.ones(1)}
+    assert is_dtensor(sharded) and not is_dtensor(torch.ones(1))
+    out = local_shards(state)
+    assert torch.equal(out["w"], torch.full((2,), 7.0)) and not is_dtensor(out["w"])
+    assert torch.equal(out["nested"][0], torch.full((2,), 7.0)) and out["nested"][1] == {"step": 3}
+    assert torch.equal(out["plain"], torch.ones(1))

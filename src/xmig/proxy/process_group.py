@@ -270,7 +270,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         record.work = work
         record.state = "launched"
         event = record.done_event = threading.Event()
-        work.get_future().add_done_callback(lambda _f: event.set())
+        _when_done(work, event.set)
 
     def _track(self, record: OpRecord) -> None:
         payload = int_broadcast_payload(record.op, record.args)
@@ -317,7 +317,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 error = record.error
                 if error is None:
                     try:
-                        value = record.work.get_future().value()  # type: ignore[union-attr]
+                        value = _value(record.work, record.outputs_of(record.args))  # type: ignore[arg-type]
                     except Exception as exc:
                         error = str(exc)
                 if error is not None:
@@ -485,7 +485,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         record.restore_inputs()
         work = getattr(self.communicator.backend, record.op)(*record.args)
         self._wait(work, timeout, record)
-        value = work.get_future().value()
+        value = _value(work, record.outputs_of(record.args))
         with self._cv:
             self._queue.remove(record)
             record.state, record.error, record.work = "done", None, work
@@ -496,7 +496,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
     @staticmethod
     def _wait(work: dist.Work, timeout: float, record: OpRecord) -> None:
         done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
+        _when_done(work, done.set)
         deadline = time.monotonic() + timeout
         finished = done.wait(timeout)
         if finished and record.device is not None:
@@ -508,7 +508,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 f"re-issued op {record.index} of step {record.step} ({record.op}) did not "
                 f"complete within {timeout:.0f} s"
             )
-        work.get_future().value()  # raises if it failed
+        _value(work)  # raises if it failed
 
     def skip_rest_of_step(self) -> None:
         """Serve pending and future ops of this step without the network (a step rolled back:
@@ -563,6 +563,36 @@ def replay_groups(
     return check
 
 
+def _when_done(work: dist.Work, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once ``work`` has ended, well or not. Some of gloo's works have no
+    future (``_reduce_scatter_base``): a thread of their own waits for those, so that nobody
+    who must stay free to be halted waits inside one (an op abandoned by a recovery keeps
+    its thread until the communicator's timeout)."""
+    try:
+        future = work.get_future()
+    except RuntimeError:
+
+        def wait() -> None:
+            with contextlib.suppress(Exception):  # its error is read by _value
+                work.wait()
+            callback()
+
+        threading.Thread(target=wait, name="xmig-work", daemon=True).start()
+        return
+    future.add_done_callback(lambda _f: callback())
+
+
+def _value(work: dist.Work, outputs: list[torch.Tensor] | None = None) -> Any:
+    """What the work's future holds (its output tensors; ``outputs`` for a work without a
+    future); raises if the op failed."""
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        work.wait()  # it has ended: raises if it failed
+        return outputs or []
+    return future.value()
+
+
 def _complete(record: OpRecord, work: dist.Work | None, value: Any) -> None:
     """Hand the framework its result. On GPU the completing thread's stream first waits for
     the op (NCCL marks its futures done at launch), so the CUDA-aware future's event covers it."""
@@ -585,3 +615,15 @@ def _forwarder(op: str) -> Callable[..., dist.Work]:
 
 for _op in FORWARDED_OPS:
     setattr(ProxyProcessGroup, _op, _forwarder(_op))
+
+# torch 2.13's names for ops c10d has had under other names (its functions call these on the
+# group): issued, logged and replayed as the ops they are, so that logs compare across versions
+ALIASES = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+for _alias, _op in ALIASES.items():
+    setattr(ProxyProcessGroup, _alias, _forwarder(_op))

@@ -13,11 +13,19 @@ _CHUNK = 1 << 24  # elements per pass: bounds the temporaries on a GPU
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads positions over 64 bits
 
 
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a DTensor's local shard (FSDP2, tensor parallel), else
+    the parameter itself."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param
+
+
 def params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's name, dtype, shape and bytes, in registration order."""
+    """SHA-256 over every parameter's name, dtype, shape and bytes (this rank's part of it),
+    in registration order."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
-        tensor = param.detach().to("cpu").contiguous()
+        tensor = local_part(param.detach()).to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -42,8 +50,9 @@ def params_checksum(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            digest.update(f"{name}|{flat.dtype}|{tuple(param.shape)}|".encode())
+            part = local_part(param.detach())
+            flat = part.reshape(-1)
+            digest.update(f"{name}|{flat.dtype}|{tuple(part.shape)}|".encode())
             if flat.device.type == "cpu":
                 digest.update(flat.contiguous().view(torch.uint8).numpy())
                 continue

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
+
+import torch
 
 from xmig import protocol
 from xmig.agent.link import AgentLink
@@ -25,6 +28,42 @@ from xmig.worker.trace import Tracer
 logger = logging.getLogger(__name__)
 
 STATE_LOCK_TIMEOUT_S = 60.0
+
+
+def dtensor_replicas(model: torch.nn.Module, rank: int) -> list[int] | None:
+    """The ranks that hold the same parts of ``model``'s DTensor parameters as ``rank``
+    (FSDP2, HSDP, tensor parallel): on each parameter's mesh, those whose coordinates equal
+    this rank's along every dimension the parameter is not replicated over. None: no DTensor
+    parameter."""
+    members: set[int] | None = None
+    for param in model.parameters():
+        mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
+        if mesh is None or placements is None:
+            continue
+        grid = mesh.mesh
+        where = (grid == rank).nonzero()
+        if not len(where):
+            continue
+        mine = where[0].tolist()
+        fixed = [d for d, p in enumerate(placements) if not p.is_replicate()]
+        same = {int(grid[index]) for index in itertools.product(*map(range, grid.shape))
+                if all(index[d] == mine[d] for d in fixed)}  # fmt: skip
+        members = same if members is None else members & same
+    return sorted(members) if members is not None else None
+
+
+def dtensor_shard(model: torch.nn.Module, rank: int) -> str:
+    """Which shard ``rank`` holds: its coordinates along the dimensions its first DTensor
+    parameter is sharded over (``3``, or ``1,0`` on a mesh of several)."""
+    for param in model.parameters():
+        mesh, placements = getattr(param, "device_mesh", None), getattr(param, "placements", None)
+        if mesh is None or placements is None:
+            continue
+        where = (mesh.mesh == rank).nonzero()
+        if len(where):
+            mine = where[0].tolist()
+            return ",".join(str(mine[d]) for d, p in enumerate(placements) if not p.is_replicate())
+    return "?"
 
 
 class WorkerContext:
@@ -79,7 +118,8 @@ class WorkerContext:
         group its DDP trains over (None: every rank, or no replica known)."""
         ddp = self.registry.ddp
         if ddp is None:
-            return None
+            model = self.registry.model()
+            return dtensor_replicas(model, self.rank) if model is not None else None
         group = self.groups.of(getattr(ddp, "process_group", None))
         if group is None or len(group.ranks) == self.world_size:
             return None

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from xmig import protocol
 from xmig.state import params_sha256, reseed
-from xmig.worker.context import WorkerContext
+from xmig.worker.context import WorkerContext, dtensor_shard
 from xmig.worker.errors import RecoveryFailed, XmigError
 from xmig.worker.hooks import OptimizerGate, install_hooks
 from xmig.worker.layout import DdpLayout
@@ -59,9 +59,15 @@ class StepLoop:
         replicas = ctx.replicas()
         if replicas is not None and len(replicas) < 2 and ctx.link is not None:
             # found out now, not at the fault
-            why = (f"no replica of rank {ctx.rank}'s state: its DDP trains over a group of one "
-                   f"rank, so recovery of rank {ctx.rank} would need a checkpoint (xmig "
-                   "recovers a rank from a peer that holds the same state)")  # fmt: skip
+            if ctx.registry.ddp is not None:
+                why = (f"no replica of rank {ctx.rank}'s state: its DDP trains over a group of "
+                       f"one rank, so recovery of rank {ctx.rank} would need a checkpoint "
+                       "(xmig recovers a rank from a peer that holds the same state)")  # fmt: skip
+            else:
+                shard = dtensor_shard(ctx.registry.model(), ctx.rank)
+                why = (f"no replica of shard {shard}: recovery of rank {ctx.rank} would need "
+                       "a checkpoint (its parameters are sharded with no copy on another rank; "
+                       "HSDP's replicate dimension would hold one)")  # fmt: skip
             ctx.send(protocol.CannotRecover(why=why, t=time.time()))
             time.sleep(10.0)  # the coordinator stops the job meanwhile
             raise XmigError(why)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from xmig.state import ddp as ddp_state
+from xmig.state import dtensors
 from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, XmigError
 
@@ -67,7 +68,10 @@ class Registry:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        state = {name: obj.state_dict() for name, obj in self.objects.items()}
+        # sharded parts travel as this rank's shards (a replica holds the same ones)
+        state = {
+            name: dtensors.local_shards(obj.state_dict()) for name, obj in self.objects.items()
+        }
         state.update({name: stream.state_dict() for name, stream in self.streams.items()})
         return state
 
@@ -76,7 +80,8 @@ class Registry:
         for name, obj in self.objects.items():
             if name not in state:
                 raise RecoveryFailed(f"the peer's state has no {name!r}")
-            obj.load_state_dict(state[name])
+            obj.load_state_dict(dtensors.as_template(state[name], obj.state_dict()))
+            dtensors.optimizer_state_as_params(obj)
 
     def resume_streams(self, state: dict[str, Any], step: int, *, fresh: bool) -> None:
         """Put every data stream where the one in ``state`` was at the start of ``step``

@@ -88,7 +88,9 @@ class Survivor:
                 rebuilt, kept = rebuilt + kept, []
             # before the step runs on (the training thread reaches the next boundary as soon
             # as the replay is done)
-            self._verifier.expect(generation, plan.step)
+            # a rank already past the resume step (in another group's step ahead) reports at
+            # its own next boundary: replicas, compared with each other, are at the same one
+            self._verifier.expect(generation, max(plan.step, ctx.step or 0))
             parked = time.monotonic()
             communicators = [
                 ctx.comms.communicator(g.name, generation, g.proxy.communicator.rank,

@@ -31,8 +31,10 @@ class Verifier:
                                        replicas=self._ctx.replicas(), t=time.time()))  # fmt: skip
 
     def checksum(self) -> str | None:
-        """A checksum of the parameters when they are DDP replicas (equal on every rank)."""
-        model = self._ctx.registry.model()
-        if model is None or self._ctx.registry.ddp is None:
+        """A checksum of the parameters when they have replicas (DDP's, or the ranks that hold
+        the same DTensor shards), to compare within each set of replicas."""
+        ctx = self._ctx
+        model = ctx.registry.model()
+        if model is None or (ctx.registry.ddp is None and ctx.replicas() is None):
             return None
         return params_checksum(model)
