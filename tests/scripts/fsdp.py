@@ -20,19 +20,21 @@ def main():
     args = parser.parse_args()
 
     session = xmig.init(seed=3)
+    kind = session.device.type  # cuda under NCCL
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model.to(session.device)
     if args.layout == "tp-dp":
         # tensor parallel over tp, data parallel over dp: FSDP2 with a shard dimension of one
         # replicates over dp (what DDP does) and takes the DTensor parameters
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "dp_shard", "tp"))
+        mesh = init_device_mesh(kind, (2, 1, 2), mesh_dim_names=("dp", "dp_shard", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp", "dp_shard"])
     else:
         if args.layout == "hsdp":
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(kind, (2, 2), mesh_dim_names=("replicate", "shard"))
         else:
-            mesh = init_device_mesh("cpu", (session.world_size,), mesh_dim_names=("shard",))
+            mesh = init_device_mesh(kind, (session.world_size,), mesh_dim_names=("shard",))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -41,7 +43,7 @@ def main():
     session.register(model=model, optimizer=optimizer)
     for step in session.steps(args.steps):
         g = torch.Generator().manual_seed(100 * step + session.rank)
-        x = torch.randn(8, 16, generator=g)
+        x = torch.randn(8, 16, generator=g).to(session.device)
         loss = model(x).square().mean()
         optimizer.zero_grad()
         loss.backward()

@@ -57,7 +57,9 @@ class StepLoop:
         ctx.total = total
         ctx.registry.find_ddp()
         replicas = ctx.replicas()
-        if replicas is not None and len(replicas) < 2 and ctx.link is not None:
+        # (one rank alone has no peer to pull from anyway: only its in-place retries count)
+        if replicas is not None and len(replicas) < 2 and ctx.link is not None \
+                and ctx.world_size > 1:  # fmt: skip
             # found out now, not at the fault
             if ctx.registry.ddp is not None:
                 why = (f"no replica of rank {ctx.rank}'s state: its DDP trains over a group of "
