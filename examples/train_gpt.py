@@ -206,6 +206,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="plain torch.distributed + DDP, without xmig (a baseline)",
     )
+    parser.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp", "hsdp", "tp-dp"],
+        default="ddp",
+        help="ddp; fsdp (FSDP2 over every rank: no replica, refused by xmig); hsdp (FSDP2 on a "
+        "(replicate, shard) mesh); tp-dp (tensor parallel MLPs on a (dp, tp) mesh, data "
+        "parallel over dp)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="hsdp and tp-dp: the mesh's data-parallel dimension; the other one is the rest",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the last step")
     parser.add_argument(
         "--register-module",
@@ -355,6 +369,42 @@ class Checkpoint:
                 out.write(json.dumps(record) + "\n")
 
 
+def shard(model: nn.Module, layout: str, replicas: int, world: int,
+          device: torch.device) -> nn.Module:  # fmt: skip
+    """``model`` laid out by FSDP2 (and tensor parallel) on a mesh of every rank; returns it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if layout != "fsdp" and (replicas < 1 or world % replicas):
+        raise SystemExit(f"--replicas {replicas} does not divide the {world} ranks")
+    parts = [m for m in model.modules() if isinstance(m, (Block, MLP))] or [model]
+    if layout == "tp-dp":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh(device.type, (replicas, 1, world // replicas),
+                                mesh_dim_names=("dp", "dp_shard", "tp"))  # fmt: skip
+        for block in (m for m in model.modules() if isinstance(m, Block)):
+            # the MLP's two layers, split column-wise then row-wise (its output all-reduced)
+            parallelize_module(block.mlp, mesh["tp"], {"0": ColwiseParallel(),
+                                                       "2": RowwiseParallel()})  # fmt: skip
+        fully_shard(model, mesh=mesh["dp", "dp_shard"])
+        return model
+    if layout == "hsdp":
+        mesh = init_device_mesh(device.type, (replicas, world // replicas),
+                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    for part in parts:
+        if part is not model:
+            fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def train_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor, sleep: float = 0.0) -> torch.Tensor:  # fmt: skip
     """One step of the demo's loop (other loops built on it take it too); its loss."""
@@ -397,12 +447,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model, batch = make_workload(args, device)
-    ddp = DistributedDataParallel(
-        model,
-        process_group=session.process_group,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=args.bucket_cap_mb,
-    )
+    if args.parallel == "ddp":
+        ddp = DistributedDataParallel(
+            model,
+            process_group=session.process_group,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_cap_mb,
+        )
+    else:
+        ddp = shard(model, args.parallel, args.replicas, session.world_size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # the DDP module: its bucket layout is part of a rank's state (given the bare module,
     # xmig looks for the DDP that wraps it)

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from helpers import DEMO, run
 
 
@@ -109,3 +111,17 @@ def test_the_mlp_workload_recovers_bit_identically(tmp_path):
     assert "MLP" in clean.output
     assert len(killed.summary["recoveries"]) == 1
     assert killed.summary["final_params_sha256"] == clean.summary["final_params_sha256"]
+
+
+@pytest.mark.parametrize("layout", ["hsdp", pytest.param("tp-dp", marks=pytest.mark.long)])
+def test_the_demo_laid_out_on_a_mesh_recovers_bit_identically(tmp_path, layout):
+    """``--parallel``: the demo GPT under HSDP (or TP x DP) on 4 ranks, a kill mid-backward."""
+    four = ("--nproc-per-node", "4", "--hot-spares", "0")
+    extra = ("--parallel", layout, "--quiet")
+    clean = _train(tmp_path, layout, layout=four, extra=extra)
+    killed = _train(tmp_path, f"{layout}-kill",
+                    layout=(*four, "--inject", "kill:rank=1:step=3:at=backward"),
+                    extra=extra)  # fmt: skip
+    assert len(killed.summary["recoveries"]) == 1
+    assert killed.summary["final_params_sha256"] == clean.summary["final_params_sha256"]
+    assert sorted(clean.summary["final_params_parts"]) == ["0", "1"]  # both shards
