@@ -113,7 +113,9 @@ def test_the_mlp_workload_recovers_bit_identically(tmp_path):
     assert killed.summary["final_params_sha256"] == clean.summary["final_params_sha256"]
 
 
-@pytest.mark.parametrize("layout", ["hsdp", pytest.param("tp-dp", marks=pytest.mark.long)])
+# tests/test_fsdp.py covers both layouts in CI; the demo's is the wider sample
+@pytest.mark.long
+@pytest.mark.parametrize("layout", ["hsdp", "tp-dp"])
 def test_the_demo_laid_out_on_a_mesh_recovers_bit_identically(tmp_path, layout):
     """``--parallel``: the demo GPT under HSDP (or TP x DP) on 4 ranks, a kill mid-backward."""
     four = ("--nproc-per-node", "4", "--hot-spares", "0")

@@ -41,7 +41,8 @@ def test_hsdp_runs_alike_twice_and_its_fingerprint_covers_both_shards(tmp_path, 
 @pytest.mark.parametrize("fault, verified", [
     ("kill:rank=1:step=3:at=backward", True),
     ("kill:rank=2:step=3:at=collective=1", True),  # inside an FSDP all-gather
-    ("kill:rank=3:step=4:at=collective=4", True),  # inside a reduce-scatter
+    pytest.param("kill:rank=3:step=4:at=collective=4", True,  # inside a reduce-scatter
+                 marks=pytest.mark.long),
     pytest.param("exit:rank=1:step=3:at=boundary", "unverifiable", marks=pytest.mark.long),
     pytest.param("kill:rank=0:step=2:at=forward", "unverifiable", marks=pytest.mark.long),
 ])  # fmt: skip
@@ -89,7 +90,8 @@ def test_fsdp_without_a_replica_of_its_shards_is_refused_before_the_first_step(t
 # step's collectives: the row-wise layer's all-reduce over tp (0), the gradients' over dp (1)
 @pytest.mark.parametrize("fault", [
     "kill:rank=1:step=3:at=backward",
-    "kill:rank=2:step=3:at=collective=0",  # inside the tensor-parallel all-reduce
+    pytest.param("kill:rank=2:step=3:at=collective=0",  # inside the tensor-parallel all-reduce
+                 marks=pytest.mark.long),
     pytest.param("kill:rank=0:step=4:at=collective=1", marks=pytest.mark.long),  # dp's
     pytest.param("exit:rank=3:step=2:at=boundary", marks=pytest.mark.long),
 ])  # fmt: skip

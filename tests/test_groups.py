@@ -52,7 +52,7 @@ def _groups_of(rank):
     # rank 0 roots its dp group's DDP broadcasts; collective 0 is the world's op
     ("kill:rank=0:step=3:at=collective=0", "unverifiable"),
     ("kill:rank=3:step=4:at=collective=1", True),  # inside a DDP all-reduce of the dp group
-    ("exit:rank=2:step=5:at=boundary", "unverifiable"),
+    pytest.param("exit:rank=2:step=5:at=boundary", "unverifiable", marks=pytest.mark.long),
     pytest.param("kill:rank=2:step=3:at=optimizer", "unverifiable", marks=pytest.mark.long),
     # step 1: DDP rebuilds its buckets in its forward, broadcasting the layout first
     pytest.param("kill:rank=1:step=1:at=forward", True, marks=pytest.mark.long),
@@ -96,6 +96,7 @@ def test_a_rank_whose_replica_has_stepped_already_is_rolled_forward(tmp_path, tm
     assert all(len(summary["worker_pids"][str(r)]) == 1 for r in (0, 1, 2))
 
 
+@pytest.mark.long
 def test_groups_made_with_new_group_recover_too(tmp_path, tmp_path_factory):
     expected = reference(tmp_path_factory, "new_group")
     result = run(job("--inject", "kill:rank=2:step=4:at=backward", groups="new_group"), tmp_path)
