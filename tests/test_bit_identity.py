@@ -56,7 +56,11 @@ def test_batches_drawn_through_the_session_recover_bit_identically(
 
 @pytest.mark.parametrize(
     "pattern",
-    ["prefetch-locals", pytest.param("iterator", marks=pytest.mark.long), "own-generator"],
+    [
+        "prefetch-locals",
+        pytest.param("iterator", marks=pytest.mark.long),
+        pytest.param("own-generator", marks=pytest.mark.long),
+    ],  # fmt: skip
 )
 def test_data_or_random_state_that_does_not_travel_is_reported_not_bit_identical(
     tmp_path, tmp_path_factory, pattern

@@ -59,6 +59,7 @@ def test_demo_is_deterministic_and_summarised(tmp_path):
     assert "completed: 6 steps on 2 ranks" in first.output
 
 
+@pytest.mark.long
 def test_different_seed_gives_different_parameters(tmp_path):
     # guards the determinism test above against a hash that ignores the training
     base = _train(tmp_path, "a").summary["final_params_sha256"]

@@ -40,7 +40,8 @@ def test_hsdp_runs_alike_twice_and_its_fingerprint_covers_both_shards(tmp_path, 
 # backward's), reduce-scatter 4, the replicate group's all-reduce 5, reduce-scatter 6, ...
 @pytest.mark.parametrize("fault, verified", [
     ("kill:rank=1:step=3:at=backward", True),
-    ("kill:rank=2:step=3:at=collective=1", True),  # inside an FSDP all-gather
+    pytest.param("kill:rank=2:step=3:at=collective=1", True,  # inside an FSDP all-gather
+                 marks=pytest.mark.long),
     pytest.param("kill:rank=3:step=4:at=collective=4", True,  # inside a reduce-scatter
                  marks=pytest.mark.long),
     pytest.param("exit:rank=1:step=3:at=boundary", "unverifiable", marks=pytest.mark.long),

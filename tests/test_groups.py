@@ -50,7 +50,7 @@ def _groups_of(rank):
 @pytest.mark.parametrize("fault, verified", [
     ("kill:rank=1:step=4:at=backward", True),
     # rank 0 roots its dp group's DDP broadcasts; collective 0 is the world's op
-    ("kill:rank=0:step=3:at=collective=0", "unverifiable"),
+    pytest.param("kill:rank=0:step=3:at=collective=0", "unverifiable", marks=pytest.mark.long),
     ("kill:rank=3:step=4:at=collective=1", True),  # inside a DDP all-reduce of the dp group
     pytest.param("exit:rank=2:step=5:at=boundary", "unverifiable", marks=pytest.mark.long),
     pytest.param("kill:rank=2:step=3:at=optimizer", "unverifiable", marks=pytest.mark.long),

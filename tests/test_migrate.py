@@ -52,7 +52,11 @@ def check_migrated(summary, rank, source, target, world, steps=STEPS):
     return record
 
 
-@pytest.mark.parametrize("layout", [("2", "1"), ("1", "3")], ids=["rank1-of-2", "rank1-of-3"])
+@pytest.mark.parametrize(
+    "layout",
+    [("2", "1"), pytest.param(("1", "3"), marks=pytest.mark.long)],
+    ids=["rank1-of-2", "rank1-of-3"],
+)
 def test_injected_migration_is_bit_identical(tmp_path, tmp_path_factory, measure, layout):
     nnodes, nproc = layout
     world = int(nnodes) * int(nproc)

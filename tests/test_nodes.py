@@ -54,7 +54,7 @@ def test_simulated_hosts_train_like_one_host(tmp_path, tmp_path_factory):
 
 
 @needs_root
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_node_loss_moves_its_ranks_to_a_spare_node(tmp_path, tmp_path_factory, measure, nproc):
     lost = list(range(nproc, 2 * nproc))  # the ranks of node 1
     spec = f"node:rank={lost[-1]}:step=3:at=backward"

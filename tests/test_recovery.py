@@ -169,7 +169,8 @@ def test_exception_then_later_faults_still_watched(tmp_path, tmp_path_factory, m
 
 
 @pytest.mark.parametrize("spec", [f"kill:rank=2:step={STEPS - 1}:at=optimizer",
-                                  f"kill:rank=0:step={STEPS}:at=boundary"])  # fmt: skip
+                                  pytest.param(f"kill:rank=0:step={STEPS}:at=boundary",
+                                               marks=pytest.mark.long)])  # fmt: skip
 def test_fault_after_peers_finished(tmp_path, tmp_path_factory, measure, spec):
     """A rank fails in (or after) the last step while its peers have finished: they stay,
     able to serve, until every rank has, so the job completes promptly and bit-identically

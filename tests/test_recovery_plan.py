@@ -404,3 +404,11 @@ def test_the_record_names_the_groups_and_who_served_whom():
                                 "kept": ["pg1[0,2]"]}  # fmt: skip
     assert record["sources"] == {"1": 0, "3": 2}
     assert "with state from rank 0 (to 1), rank 2 (to 3)" in describe_recovery(record)
+
+
+def test_every_rank_checks_its_replica_after_the_latest_step_any_survivor_is_in():
+    """Rank 0 finished step 4 (its group needed nothing of rank 1's last op), rank 1 did not:
+    both report their checksums at the start of step 6, where both have been through step 5."""
+    positions = {0: position(5), 1: position(4), 2: position(5), 3: position(4)}
+    plan = plan_rebuild(positions, replaced=[], generation=2)
+    assert plan.mode == "replay" and plan.step == 4 and plan.check_after == 5

@@ -226,6 +226,7 @@ def _payload():
         ddp=DdpPayload(layout=layout, ready_order=[2, 0, 1], verify_ready_order=True),
         signatures={"world": ["allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"]},
         results={"pg3:5:0": [torch.arange(3.0)]},
+        check_after=6,
     )
 
 
@@ -237,7 +238,7 @@ def test_a_replacement_payload_crosses_a_pair_intact():
     assert received.digest == sent.digest
     back = ReplacementPayload.from_wire(got)
     assert (back.step, back.mode, back.first_step) == (5, "replay", 0)
-    assert back.signatures == payload.signatures
+    assert back.signatures == payload.signatures and back.check_after == 6
     assert list(back.results) == ["pg3:5:0"] and torch.equal(
         back.results["pg3:5:0"][0], torch.arange(3.0)
     )

@@ -612,6 +612,9 @@ class Rebuild(Message):
     why: str | None = None  # why not a replay
     verify_ready_order: bool = False
     sources: dict[str, int] = field(default_factory=dict)  # pulled rank -> its server
+    # every rank reports its replica checksum at the boundary after this step: the latest any
+    # survivor is in (ranks of other groups may be a step ahead of the resume step)
+    check_after: int | None = None
 
     def source_of(self, rank: int) -> int:
         return self.sources.get(str(rank), self.source)

@@ -87,7 +87,8 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
         return Rebuild(generation=generation, mode="replay", step=low,
                        source=servers[pulls[0]] if pulls else _busiest(positions, candidates, low),
                        pulls=pulls, why=None, verify_ready_order=verify_ready_order,
-                       sources={str(r): s for r, s in servers.items()})  # fmt: skip
+                       sources={str(r): s for r, s in servers.items()},
+                       check_after=_check_after(positions, low))  # fmt: skip
     high = max(state_steps.values())
     at_high = [r for r, s in state_steps.items() if s == high]
     laggards = [r for r, s in state_steps.items() if s < high]
@@ -96,7 +97,13 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
     return Rebuild(generation=generation, mode="rollback", step=high,
                    source=servers[pulls[0]] if pulls else min(at_high), pulls=pulls,
                    why=reasons[0], verify_ready_order=verify_ready_order,
-                   sources={str(r): s for r, s in servers.items()})  # fmt: skip
+                   sources={str(r): s for r, s in servers.items()},
+                   check_after=_check_after(positions, high))  # fmt: skip
+
+
+def _check_after(positions: dict[int, Position], resume: int) -> int:
+    """The step after which every rank can report its checksum at the same boundary."""
+    return max([resume, *(int(p.step) for p in positions.values() if p.step is not None)])
 
 
 def _inconsistent_logs(positions: dict[int, Position], low: int) -> str | None:

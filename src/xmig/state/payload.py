@@ -50,6 +50,7 @@ class ReplacementPayload:
     # the results the ops the survivors replay had before the fault ("group:step:index" -> its
     # output tensors): the replacement's ops end with these (every rank goes on from the same)
     results: dict[str, list[torch.Tensor]] | None = None
+    check_after: int | None = None  # the step after which to report the replica checksum
 
     def to_wire(self) -> dict[str, Any]:
         """Plain containers for ``send_state`` (no copy of the tensors)."""
@@ -68,13 +69,14 @@ class ReplacementPayload:
             },
             "signatures": self.signatures,
             "results": self.results,
+            "check_after": self.check_after,
         }
 
     @classmethod
     def from_wire(cls, data: Any) -> ReplacementPayload:
         """The payload ``to_wire`` made, checked; PayloadError if it is not one."""
         body = _object(data, "payload", ("step", "mode", "first_step", "state", "ddp",
-                                         "signatures", "results"))  # fmt: skip
+                                         "signatures", "results", "check_after"))  # fmt: skip
         ddp = _object(body["ddp"], "ddp", ("layout", "in_step", "in_step_index",
                                            "ready_order", "verify_ready_order"))  # fmt: skip
         mode = body["mode"]
@@ -96,6 +98,7 @@ class ReplacementPayload:
             ),
             signatures=_signatures(body["signatures"]),
             results=_results(body["results"]),
+            check_after=_int(body["check_after"], "check_after", optional=True),
         )
 
 

@@ -121,5 +121,6 @@ class Replacement:
         ctx.send(protocol.Recovered(generation=ctx.env.generation, role="replacement",
                                     phases=phases, pull=pull.pull_report("receiver", stats),
                                     t_resumed=time.time(), t=time.time()))  # fmt: skip
-        self._verifier.expect(ctx.env.generation, payload.step)
+        check_after = payload.check_after if payload.check_after is not None else payload.step
+        self._verifier.expect(ctx.env.generation, check_after)
         return payload.step

@@ -88,9 +88,10 @@ class Survivor:
                 rebuilt, kept = rebuilt + kept, []
             # before the step runs on (the training thread reaches the next boundary as soon
             # as the replay is done)
-            # a rank already past the resume step (in another group's step ahead) reports at
-            # its own next boundary: replicas, compared with each other, are at the same one
-            self._verifier.expect(generation, max(plan.step, ctx.step or 0))
+            # every rank reports at the same boundary, after the latest step any survivor is in
+            # (ranks of other groups may be a step ahead of the resume step)
+            check_after = plan.check_after if plan.check_after is not None else plan.step
+            self._verifier.expect(generation, check_after)
             parked = time.monotonic()
             communicators = [
                 ctx.comms.communicator(g.name, generation, g.proxy.communicator.rank,
@@ -236,6 +237,7 @@ class Survivor:
             ddp=self._layout.outgoing(plan.step, plan.verify_ready_order),
             signatures=signatures,
             results=results,
+            check_after=plan.check_after,
         )
 
     # ---- rollback ---------------------------------------------------------------------------
