@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from recovery_cpu import bounded
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "fsdp.py"
@@ -27,8 +27,7 @@ def xmig(work: Path, name: str, args: list[str]) -> dict:
     summary = work / f"{name}.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "1", "--hot-spares", "0",
            "--summary", str(summary), *args]  # fmt: skip
-    with open(work / f"{name}.log", "w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, check=False)
+    bounded(cmd, work / f"{name}.log", TIMEOUT_S)  # overrun: its whole tree is killed
     if not summary.exists():
         raise SystemExit(f"{name}: no summary; see {work / (name + '.log')}")
     return json.loads(summary.read_text())

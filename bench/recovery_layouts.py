@@ -9,11 +9,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from recovery_cpu import bounded
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -30,10 +31,8 @@ def run(work: Path, name: str, script: Path, script_flags: list[str], flags: lis
     summary = work / f"{name}.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "4", "--summary",
            str(summary), *flags, str(script), *script_flags]  # fmt: skip
-    with open(work / f"{name}.log", "w") as log:
-        # the launcher ends its job (and every process of it) when it is killed
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
-                       check=False)  # fmt: skip
+    # overrun, the launcher's process group and everything descended from it are killed
+    bounded(cmd, work / f"{name}.log", RUN_TIMEOUT_S)
     return json.loads(summary.read_text())
 
 
