@@ -146,3 +146,18 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# quick fault detection for recovery tests, without hot spares (a 4-rank job on 2 cores)
+FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
+_FAULT_FREE: dict[tuple[str, ...], str] = {}
+
+
+def fault_free_sha256(args: list[str], tmp_path_factory) -> str:
+    """The final parameters of a fault-free ``xmig run ARGS`` (run once per ARGS)."""
+    key = tuple(args)
+    if key not in _FAULT_FREE:
+        result = run(list(args), tmp_path_factory.mktemp("reference"))
+        assert result.returncode == 0, result.output
+        _FAULT_FREE[key] = result.summary["final_params_sha256"]
+    return _FAULT_FREE[key]

@@ -5,11 +5,9 @@ refused before the first step."""
 
 import pytest
 
-from helpers import REPO, run
+from helpers import FAST, REPO, fault_free_sha256, run
 
 SCRIPT = REPO / "tests" / "scripts" / "fsdp.py"
-FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
-_REFERENCE: dict[str, str] = {}
 # the mesh's groups as c10d numbers them: the replicate dimension's first
 REPLICATE = {0: "pg1[0,2]", 1: "pg2[1,3]"}  # by shard coordinate
 SHARD = {0: "pg3[0,1]", 1: "pg4[2,3]"}  # by replica coordinate
@@ -20,11 +18,7 @@ def job(*extra, layout="hsdp"):
 
 
 def reference(tmp_path_factory, layout="hsdp"):
-    if layout not in _REFERENCE:
-        result = run(job(layout=layout), tmp_path_factory.mktemp("reference"))
-        assert result.returncode == 0, result.output
-        _REFERENCE[layout] = result.summary["final_params_sha256"]
-    return _REFERENCE[layout]
+    return fault_free_sha256(job(layout=layout), tmp_path_factory)
 
 
 def test_hsdp_runs_alike_twice_and_its_fingerprint_covers_both_shards(tmp_path, tmp_path_factory):

@@ -5,11 +5,9 @@ fault-free one."""
 
 import pytest
 
-from helpers import REPO, run
+from helpers import FAST, REPO, fault_free_sha256, run
 
 SCRIPT = REPO / "tests" / "scripts" / "groups.py"
-FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
-_REFERENCE: dict[str, str] = {}
 
 # the (stage, dp) mesh's groups as c10d numbers them: the stage dimension's first
 STAGE = {0: "pg1[0,2]", 1: "pg2[1,3]"}
@@ -21,12 +19,7 @@ def job(*extra, groups="mesh"):
 
 
 def reference(tmp_path_factory, groups="mesh"):
-    """The fault-free run's final parameters."""
-    if groups not in _REFERENCE:
-        result = run(job(groups=groups), tmp_path_factory.mktemp("reference"))
-        assert result.returncode == 0, result.output
-        _REFERENCE[groups] = result.summary["final_params_sha256"]
-    return _REFERENCE[groups]
+    return fault_free_sha256(job(groups=groups), tmp_path_factory)
 
 
 def test_fault_free_runs_are_alike_and_cover_both_stages(tmp_path, tmp_path_factory):
