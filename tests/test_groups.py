@@ -5,7 +5,7 @@ fault-free one."""
 
 import pytest
 
-from helpers import FAST, REPO, fault_free_sha256, run
+from helpers import FAST, REPO, fault_free_sha256, run, write_script
 
 SCRIPT = REPO / "tests" / "scripts" / "groups.py"
 
@@ -123,3 +123,25 @@ def test_a_layout_without_replicas_is_refused_before_the_first_step(tmp_path):
     assert summary["steps"] == 0 and summary["faults"] == [] and summary["recoveries"] == []
     assert summary["message"].startswith("failed: no replica of rank ")
     assert "would need a checkpoint" in summary["message"]
+
+
+def test_a_group_of_another_backend_is_named_as_not_recovered(tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import torch, torch.distributed as dist
+        import xmig
+        session = xmig.init()
+        plain = dist.new_group(backend="gloo")  # not through xmig
+        mine = dist.new_group()
+        for step in session.steps(2):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=plain)
+            dist.all_reduce(t, group=mine)
+    """,
+    )
+    result = run(["--nproc-per-node", "2", *FAST, script], tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    (line,) = [x for x in result.output.splitlines() if "another backend than xmig's" in x]
+    assert "1 (gloo)" in line and "a fault in them is not recovered" in line
+    assert "2 (" not in line  # the group made with xmig's backend is proxied

@@ -35,6 +35,22 @@ class Group:
         return any(r in self.ranks for r in ranks)
 
 
+def unproxied_groups() -> list[str]:
+    """c10d groups of this process that another backend than xmig's serves (``new_group(...,
+    backend="gloo")``): their collectives do not go through xmig, so a fault in them is not
+    recovered. Each as ``name (backend)``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    found = []
+    for group, entry in list(getattr(c10d._world, "pg_map", {}).items()):
+        # c10d's private table: (backend, store) in every version seen (2.11-2.13)
+        backend = entry[0] if isinstance(entry, tuple) and entry else entry
+        name = str(backend).lower()
+        if "xmig" not in name:
+            found.append(f"{getattr(group, 'group_name', '?')} ({name})")
+    return found
+
+
 class Groups:
     """This rank's groups, in the order they were made; the world's is first."""
 

@@ -10,6 +10,7 @@ from xmig import protocol
 from xmig.state import params_sha256, reseed
 from xmig.worker.context import WorkerContext, dtensor_shard
 from xmig.worker.errors import RecoveryFailed, XmigError
+from xmig.worker.groups import unproxied_groups
 from xmig.worker.hooks import OptimizerGate, install_hooks
 from xmig.worker.layout import DdpLayout
 from xmig.worker.migration import Migration
@@ -56,6 +57,14 @@ class StepLoop:
             )
         ctx.total = total
         ctx.registry.find_ddp()
+        unproxied = unproxied_groups()
+        if unproxied and ctx.rank == 0:
+            logger.warning(
+                "warning: process group(s) %s use another backend than xmig's: their "
+                "collectives are not logged or replayed, and a fault in them is not recovered "
+                "(make groups with the default backend)",
+                ", ".join(unproxied),
+            )
         replicas = ctx.replicas()
         # (one rank alone has no peer to pull from anyway: only its in-place retries count)
         if replicas is not None and len(replicas) < 2 and ctx.link is not None \
