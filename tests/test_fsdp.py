@@ -59,11 +59,15 @@ def test_a_rank_of_hsdp_is_replaced_from_its_replica(tmp_path, tmp_path_factory,
     assert all(len(summary["worker_pids"][str(r)]) == 1 for r in range(4) if r != rank)
 
 
-def test_a_communication_error_in_the_replicas_all_reduce_is_retried_in_place(
-    tmp_path, tmp_path_factory
+@pytest.mark.parametrize("layout, fault", [
+    ("hsdp", "raise:rank=2:step=2:at=collective=5"),  # the replicate group's all-reduce
+    ("tp-dp", "raise:rank=1:step=3:at=collective=0"),  # the tensor-parallel all-reduce
+])  # fmt: skip
+def test_a_communication_error_in_a_collective_is_retried_in_place(
+    tmp_path, tmp_path_factory, layout, fault
 ):
-    expected = reference(tmp_path_factory)
-    result = run(job("--inject", "raise:rank=2:step=2:at=collective=5"), tmp_path)
+    expected = reference(tmp_path_factory, layout)
+    result = run(job("--inject", fault, layout=layout), tmp_path)
     assert result.returncode == 0, result.output
     assert result.summary["final_params_sha256"] == expected
     (recovery,) = result.summary["recoveries"]
@@ -107,3 +111,17 @@ def test_a_rank_of_tp_by_dp_is_replaced_from_its_data_parallel_peer(
     assert recovery["groups"]["rebuilt"] == sorted(["world", dp, tp])
     assert recovery["verified"] in (True, "unverifiable")
     assert all(len(summary["worker_pids"][str(r)]) == 1 for r in range(4) if r != rank)
+
+
+def test_fsdp_on_one_rank_retries_a_communication_error_in_place(tmp_path, tmp_path_factory):
+    """What one GPU can show of FSDP2 (a mesh of one rank is not refused: nothing to lose to a
+    peer), on CPU: the loss logged over the world is the one op, retried in place."""
+    one = ["--nproc-per-node", "1", *FAST]
+    script = [str(SCRIPT), "--layout", "fsdp", "--log-loss"]
+    expected = fault_free_sha256([*one, *script], tmp_path_factory)
+    result = run([*one, "--inject", "raise:rank=0:step=3:at=collective=0", *script], tmp_path)
+    assert result.returncode == 0, result.output
+    assert result.summary["final_params_sha256"] == expected
+    (recovery,) = result.summary["recoveries"]
+    assert recovery["mode"] == "in-place retry"
+    assert len(result.summary["worker_pids"]["0"]) == 1

@@ -102,6 +102,50 @@ def test_groups_made_with_new_group_recover_too(tmp_path, tmp_path_factory):
     assert recovery["sources"] == {"2": 3} and recovery["verified"] is True
 
 
+def test_groups_made_with_split_group_recover_too(tmp_path, tmp_path_factory):
+    """split_group's groups (torch's own needs NCCL and a bound device) are proxied too."""
+    expected = reference(tmp_path_factory, "split")
+    result = run(job("--inject", "kill:rank=2:step=4:at=backward", groups="split"), tmp_path)
+    assert result.returncode == 0, result.output
+    assert result.summary["final_params_sha256"] == expected
+    (recovery,) = result.summary["recoveries"]
+    # c10d names a split by a hash of its ranks: the labels' members say which is which
+    members = {kind: sorted(label.partition("[")[2] for label in labels)
+               for kind, labels in recovery["groups"].items()}  # fmt: skip
+    assert members == {"rebuilt": ["", "0,2]", "2,3]"], "kept": ["0,1]", "1,3]"]}
+    assert recovery["sources"] == {"2": 3} and recovery["verified"] is True
+    assert all(len(result.summary["worker_pids"][str(r)]) == 1 for r in (0, 1, 3))
+
+
+def test_split_group_keeps_torchs_contract(tmp_path):
+    """A rank in no split gets None, a split of a sub-group is a group of its members, a
+    split that is not one is refused on every rank with torch's ValueError."""
+    script = write_script(
+        tmp_path,
+        """
+        import torch, torch.distributed as dist
+        import xmig
+        session = xmig.init()
+        first = dist.split_group(split_ranks=[[0]])
+        assert (first is None) == (session.rank == 1), first
+        pair = dist.new_group([0, 1])
+        again = dist.split_group(pair, split_ranks=[[1, 0]])
+        assert dist.get_process_group_ranks(again) == [0, 1]
+        try:
+            dist.split_group(split_ranks=[[0, 1], [1]])
+        except ValueError as error:
+            print("refused:", error, flush=True)
+        for step in session.steps(2):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=again)
+            assert t.item() == 2.0
+    """,
+    )
+    result = run(["--nproc-per-node", "2", *FAST, script], tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert result.output.count("refused: split_ranks overlap: [1] in two splits") == 2
+
+
 def test_a_communication_error_in_a_group_is_retried_in_place(tmp_path, tmp_path_factory):
     expected = reference(tmp_path_factory)
     # collective 3 of step 4 on rank 1: an all-reduce of its dp group

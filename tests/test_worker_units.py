@@ -383,6 +383,42 @@ def test_served_broadcasts_and_a_skipped_step_need_no_network(proxy):
 # ---- several process groups -------------------------------------------------------------------
 
 
+def test_a_synchronous_op_is_launched_for_a_work_the_proxy_can_wait_on(proxy):
+    """c10d hands ``async_op=False`` on as ``asyncOp``, and NCCL (torch 2.11) then returns no
+    work at all: the proxy always asks for one."""
+    launched = []
+    real = proxy.communicator.backend
+
+    class Recording:
+        def allreduce(self, tensors, opts):
+            launched.append(opts.asyncOp)
+            return real.allreduce(tensors, opts)
+
+    proxy.communicator.backend = Recording()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    tensor = torch.ones(3)
+    proxy.allreduce([tensor], opts).wait()
+    assert launched == [True] and tensor.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_process_waits_for_a_communicator_being_aborted(proxy):
+    from xmig.proxy import wait_for_aborts
+
+    ended = threading.Event()
+
+    class Slow:  # NCCL's abort takes ~0.5 s
+        def abort(self):
+            time.sleep(0.3)
+            ended.set()
+
+    proxy.communicator.kind, proxy.communicator.backend = "nccl", Slow()
+    proxy.abort_communicator()
+    assert not ended.is_set()
+    assert wait_for_aborts(5.0) and ended.is_set()
+    assert wait_for_aborts(0.0)  # nothing left to wait for
+
+
 def _group_proxy(name, sequence, seen):
     comm = Communicator("gloo", name, 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
     return ProxyProcessGroup(comm, before_op=lambda step, index, op: seen.append((name, index)),
@@ -428,6 +464,27 @@ def test_a_worker_knows_which_of_its_groups_a_replaced_rank_is_in():
     assert groups.of(SimpleNamespace(group_name="3")).name == "pg3"
     with pytest.raises(ValueError, match="made twice"):
         groups.add(Group("pg1", "1", [0, 2], groups.named("pg1").proxy))
+
+
+def test_a_split_is_checked_as_torch_documents_it_and_this_ranks_is_found():
+    from xmig.worker.groups import Groups, _my_split
+
+    assert _my_split([[1, 0], [3, 2]], 4, 0) == [0, 1]
+    assert _my_split([[1, 0], [3, 2]], 4, 3) == [2, 3]
+    assert _my_split([[0, 1]], 4, 2) is None  # in no split: no group
+    for splits, why in (([], "cannot be None or empty"), ([[0], []], "cannot be empty"),
+                        ([[0, 0]], "duplicate ranks"), ([[0, 4]], r"ranks \[4\] are not in"),
+                        ([[0, 1], [1, 2]], r"overlap: \[1\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            _my_split(splits, 4, 0)
+    groups = Groups()
+    assert groups.name_for("0", None) == "world" and groups.name_for("5", [0, 1]) == "pg5"
+    # a group its members made alone: named after them and how many such they made before
+    first, second = groups.name_for("9e1f", [0, 1]), groups.name_for("77aa", [0, 1])
+    assert first.startswith("pgm") and len({first, second}) == 2
+    other = Groups()
+    assert other.name_for("c0de", [0, 1]) == first  # whatever c10d's hash
+    assert other.name_for("c0de", [0, 2]) != second
 
 
 def test_the_single_tensor_ops_of_newer_torch_go_through_the_proxy_as_the_ops_they_are(proxy):

@@ -19,14 +19,14 @@ import torch.distributed as dist
 from xmig import logs, protocol
 from xmig.ccl import BACKENDS
 from xmig.jobenv import WorkerEnv
-from xmig.proxy import ProxyProcessGroup, ReplayMismatch
+from xmig.proxy import ProxyProcessGroup, ReplayMismatch, wait_for_aborts
 from xmig.state import params_sha256
 from xmig.wire import WireError
 from xmig.worker.backend import init_process_group
 from xmig.worker.context import WorkerContext
 from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, XmigError
-from xmig.worker.groups import Group, Groups
+from xmig.worker.groups import Group
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.layout import DdpLayout
 from xmig.worker.loop import StepLoop
@@ -39,6 +39,8 @@ from xmig.worker.trouble import is_sticky_cuda_error, on_trouble
 from xmig.worker.verify import Verifier
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+# NCCL's abort takes ~0.5 s (H200); the process waits that long for one at exit
+ABORT_WAIT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ class Session:
         of the current generation: what a replacement makes, its survivors rebuilt in it."""
         ctx = self._ctx
         default = ranks is None
-        name = Groups.name_of(c10d_name, default)
+        name = ctx.groups.name_for(c10d_name, ranks)
         generation = ctx.env.generation if default else ctx.proxy.generation
         proxy = ProxyProcessGroup(
             ctx.comms.communicator(name, generation, group_rank, size),
@@ -210,6 +212,9 @@ class Session:
         if ctx.link is not None:
             ctx.link.close()
             ctx.link = None
+        if not wait_for_aborts(ABORT_WAIT_S):
+            logger.warning("a communicator was still being aborted %.0f s on, at exit",
+                           ABORT_WAIT_S)  # fmt: skip
 
 
 _session: Session | None = None

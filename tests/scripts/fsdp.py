@@ -1,11 +1,13 @@
 """FSDP2 on CPU for the tests: ``--layout hsdp`` shards a small MLP over the shard dimension of
 a (replicate, shard) mesh of 2 × 2 (its replicas along the other), ``--layout fsdp`` over all 4
 ranks (no replica of any shard), ``--layout tp-dp`` tensor parallel over tp and data parallel
-over dp on a (dp, tp) mesh of 2 × 2."""
+over dp on a (dp, tp) mesh of 2 × 2. ``--log-loss`` sums the loss over the world each step
+(as a script logs it): on one rank FSDP2 itself communicates nothing, this op does."""
 
 import argparse
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -17,6 +19,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=("hsdp", "fsdp", "tp-dp"), default="hsdp")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--log-loss", action="store_true")
     args = parser.parse_args()
 
     session = xmig.init(seed=3)
@@ -45,6 +48,9 @@ def main():
         g = torch.Generator().manual_seed(100 * step + session.rank)
         x = torch.randn(8, 16, generator=g).to(session.device)
         loss = model(x).square().mean()
+        if args.log_loss:
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

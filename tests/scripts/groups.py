@@ -3,7 +3,8 @@ stage has a model of its own, trained by DDP over its dp group ({0, 1} and {2, 3
 also averages the loss over the world and sums a tensor over the stage group ({0, 2} and
 {1, 3}), so ops of every kind of group are in flight when a rank fails.
 
-``--groups new_group`` makes the same groups with ``dist.new_group`` instead of a mesh;
+``--groups new_group`` makes the same groups with ``dist.new_group`` instead of a mesh,
+``--groups split`` with ``dist.split_group`` (the world split into rows, then into columns);
 ``--groups solo`` trains each rank's DDP over a group of its own (no replica anywhere).
 """
 
@@ -21,7 +22,7 @@ import xmig
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--groups", choices=("mesh", "new_group", "solo"), default="mesh")
+    parser.add_argument("--groups", choices=("mesh", "new_group", "split", "solo"), default="mesh")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
 
@@ -34,6 +35,9 @@ def main():
     elif args.groups == "solo":  # DDP over a group of one: no rank has a replica
         alone = [dist.new_group([r]) for r in range(4)]
         dp, across = alone[session.rank], dist.group.WORLD
+    elif args.groups == "split":
+        dp = dist.split_group(split_ranks=[[0, 1], [2, 3]])
+        across = dist.split_group(split_ranks=[[0, 2], [1, 3]])
     else:
         rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]

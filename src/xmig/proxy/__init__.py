@@ -9,6 +9,7 @@ from xmig.proxy.process_group import (
     ReplayDiverged,
     ReplayMismatch,
     replay_groups,
+    wait_for_aborts,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "signature_digest",
     "replay_groups",
     "signature_of",
+    "wait_for_aborts",
 ]

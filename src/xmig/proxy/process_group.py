@@ -198,6 +198,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.issued += 1
 
     def _issue_op(self, op: str, args: tuple[Any, ...]) -> dist.Work:
+        _as_async(args)
         index = self.ops_in_step
         self.ops_in_step += 1
         seq, in_step = self.sequence.take(self.step)
@@ -403,7 +404,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if wait:
             abort()
         else:
-            threading.Thread(target=abort, name="xmig-abort", daemon=True).start()
+            thread = threading.Thread(target=abort, name="xmig-abort", daemon=True)
+            with _ABORTS_LOCK:
+                _ABORTS.append(thread)
+            thread.start()
 
     def serve_pending_locally(self) -> None:
         """Serve the pending ops that ``local_filter`` picks without the network (their
@@ -561,6 +565,35 @@ def replay_groups(
             raise ReplayDiverged(check)
     check.seconds = time.monotonic() - started
     return check
+
+
+# communicators being aborted on threads of their own; the process must not exit under one
+# (a thread that ends inside NCCL's abort at exit ends the process with std::terminate)
+_ABORTS: list[threading.Thread] = []
+_ABORTS_LOCK = threading.Lock()
+
+
+def wait_for_aborts(timeout: float) -> bool:
+    """Wait, at most ``timeout`` seconds in all, for the communicators being aborted; False
+    if one is still in its abort."""
+    deadline = time.monotonic() + timeout
+    with _ABORTS_LOCK:
+        pending = list(_ABORTS)
+    for thread in pending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _ABORTS_LOCK:
+        _ABORTS[:] = [t for t in _ABORTS if t.is_alive()]
+        return not _ABORTS
+
+
+def _as_async(args: tuple[Any, ...]) -> None:
+    """Ask the communicator for a work it completes later, whatever the framework asked for.
+    c10d passes ``async_op=False`` on as the options' ``asyncOp``, and NCCL then runs the op
+    on the caller's stream and returns no work (torch 2.11): the proxy would have nothing to
+    wait on, and a replay nothing to re-issue it through."""
+    for arg in args:
+        if getattr(arg, "asyncOp", True) is False:
+            arg.asyncOp = True
 
 
 def _when_done(work: dist.Work, callback: Callable[[], None]) -> None:

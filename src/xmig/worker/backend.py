@@ -15,6 +15,7 @@ from xmig.ccl import Communicator, store_namespace
 from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup
 from xmig.worker.errors import XmigError
+from xmig.worker.groups import install_split_group
 
 BACKEND_NAME = "xmig"
 # NCCL errors and timeouts must come back to the proxy, not end the process from torch's
@@ -114,6 +115,7 @@ def init_process_group(comms: Comms, make_group: GroupFactory) -> ProxyProcessGr
             raise XmigError("WORLD_SIZE > 1 but MASTER_PORT is not set: start with xmig run")
         dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=comms.timeout)  # fmt: skip
+    install_split_group()
     if comms.backend == "nccl":
         torch.cuda.set_device(device_of(comms.backend, env.local_rank))
     return created[0]
