@@ -128,3 +128,17 @@ def test_the_demo_laid_out_on_a_mesh_recovers_bit_identically(tmp_path, layout):
     assert len(killed.summary["recoveries"]) == 1
     assert killed.summary["final_params_sha256"] == clean.summary["final_params_sha256"]
     assert sorted(clean.summary["final_params_parts"]) == ["0", "1"]  # both shards
+
+
+def test_a_tp_by_dp_rank_killed_in_its_forward_pulls_from_its_data_parallel_peer(tmp_path):
+    """Inside a step FSDP2 swaps in unsharded parameters, whose tensor-parallel meshes alone
+    hid the data-parallel replicas: a fault there found "no replica" and stopped the job. The
+    replicas are taken when the step loop begins."""
+    four = ("--nproc-per-node", "4", "--hot-spares", "0")
+    extra = ("--parallel", "tp-dp", "--preset", "small", "--quiet")
+    clean = _train(tmp_path, "clean", layout=four, extra=extra)
+    killed = _train(tmp_path, "kill", extra=extra,
+                    layout=(*four, "--inject", "kill:rank=1:step=3:at=forward"))  # fmt: skip
+    (recovery,) = killed.summary["recoveries"]
+    assert recovery["sources"] == {"1": 3}
+    assert killed.summary["final_params_sha256"] == clean.summary["final_params_sha256"]

@@ -28,6 +28,7 @@ from xmig.worker.trace import Tracer
 logger = logging.getLogger(__name__)
 
 STATE_LOCK_TIMEOUT_S = 60.0
+_UNKNOWN = object()
 
 
 def dtensor_replicas(model: torch.nn.Module, rank: int) -> list[int] | None:
@@ -99,6 +100,7 @@ class WorkerContext:
         self.optimizer_waiting = False
         self.finished = False  # the loop is done: the rank stays to serve peers until released
         self.recoveries_started = 0
+        self._replicas: list[int] | None | object = _UNKNOWN
         self.injector = Injector(env.rank, self._announce, current_step=lambda: self.step)
         for fault in env.faults:
             self.injector.add(fault)
@@ -115,7 +117,19 @@ class WorkerContext:
 
     def replicas(self) -> list[int] | None:
         """The ranks whose registered state is this rank's, by construction: the ranks of the
-        group its DDP trains over (None: every rank, or no replica known)."""
+        group its DDP trains over (None: every rank, or no replica known). Taken once the
+        step loop begins and kept: inside a step FSDP2 swaps in unsharded parameters, whose
+        meshes (a tensor-parallel one alone) no longer show the data-parallel replicas."""
+        if self._replicas is not _UNKNOWN:
+            return self._replicas  # type: ignore[return-value]
+        return self._find_replicas()
+
+    def keep_replicas(self) -> list[int] | None:
+        """Take the replicas as they are now (parameters sharded: the step loop's start)."""
+        self._replicas = self._find_replicas()
+        return self._replicas
+
+    def _find_replicas(self) -> list[int] | None:
         ddp = self.registry.ddp
         if ddp is None:
             model = self.registry.model()

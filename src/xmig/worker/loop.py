@@ -65,7 +65,7 @@ class StepLoop:
                 "(make groups with the default backend)",
                 ", ".join(unproxied),
             )
-        replicas = ctx.replicas()
+        replicas = ctx.keep_replicas()
         # (one rank alone has no peer to pull from anyway: only its in-place retries count)
         if replicas is not None and len(replicas) < 2 and ctx.link is not None \
                 and ctx.world_size > 1:  # fmt: skip
