@@ -2,6 +2,9 @@
 alternating in the same process (ABBA), on the same device. Run under ``xmig run``.
 
     xmig run --nproc-per-node 1 bench/fsdp_overhead.py --steps 40 --warmup 5 --out result.json
+
+``--log-loss`` sums each step's loss over the model's group, as a script logs it (on one rank
+FSDP2 issues no collective of its own: this op is then the only one).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--log-loss", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -57,6 +61,7 @@ def main() -> None:
     models = {"plain": shard(copy.deepcopy(base), plain_mesh),
               "xmig": shard(copy.deepcopy(base), xmig_mesh)}  # fmt: skip
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    groups = {"plain": plain_group, "xmig": dist.group.WORLD}
     # the optimizer's update goes through xmig's gate as in training; the model is left out,
     # since FSDP over every rank (no replica) would be refused before the first step
     session.register(optimizer=optimizers["xmig"])
@@ -70,6 +75,9 @@ def main() -> None:
                 torch.cuda.synchronize()
             started = time.perf_counter()
             loss = models[name](x).float().square().mean()
+            if args.log_loss:
+                logged = loss.detach().clone()
+                dist.all_reduce(logged, group=groups[name])
             optimizers[name].zero_grad(set_to_none=True)
             loss.backward()
             optimizers[name].step()

@@ -2,6 +2,8 @@
 
     python bench/recovery_cpu.py [--out bench/results/recovery-cpu.md] [--baseline SRC]
                                  [--repeat N]
+    python bench/recovery_cpu.py --parallel ddp,ddp-subgroup,hsdp,tp-dp [--repeat N]
+                                 [--out bench/results/recovery-layouts.md]
 
 With ``--baseline SRC`` (the ``src`` folder of another checkout of xmig, e.g. a ``git
 worktree`` of an earlier commit) every measurement runs for both versions in the same run,
@@ -13,6 +15,10 @@ Runs the demo GPT on 2 ranks (gloo). Steady state: plain DDP and DDP through xmi
 processes, steps alternating (``bench/proxy_overhead.py``), at two sizes.
 Recovery: a SIGKILL of rank 1 at each point of a step, each compared bit for bit with the
 fault-free run. Every run is bounded in time and its process group killed if it overruns.
+
+``--parallel LAYOUTS`` measures recovery per parallel layout instead, on 4 ranks: the demo GPT
+under DDP, HSDP (2 × 2) and TP × DP (2 × 2), and DDP over the dp groups of a (stage, dp) mesh
+(``tests/scripts/groups.py``); the same kills, each against its layout's fault-free run.
 """
 
 from __future__ import annotations
@@ -47,6 +53,14 @@ RUN_TIMEOUT_S = 600
 POINTS = ["forward", "backward", "optimizer", "boundary"]
 SLOW = ["--step-sleep", "0.3"]
 FAULT_STEP = 10
+LAYOUT_RANKS = 4
+# layout: (script, its flags besides --steps and the step's sleep)
+LAYOUTS = {
+    "ddp": (DEMO, [*MODEL, "--quiet", "--parallel", "ddp"]),
+    "ddp-subgroup": (REPO / "tests" / "scripts" / "groups.py", ["--groups", "mesh"]),
+    "hsdp": (DEMO, [*MODEL, "--quiet", "--parallel", "hsdp", "--replicas", "2"]),
+    "tp-dp": (DEMO, [*MODEL, "--quiet", "--parallel", "tp-dp", "--replicas", "2"]),
+}
 
 
 def free_port() -> int:
@@ -169,9 +183,25 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of every measurement")
     parser.add_argument("--recovery-only", action="store_true",
                         help="leave the steady-state measurement out")  # fmt: skip
+    parser.add_argument("--parallel", metavar="LAYOUTS",
+                        help=f"recovery per parallel layout instead, comma-separated: "
+                             f"{', '.join(LAYOUTS)}")  # fmt: skip
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.parallel is not None:
+        layouts = [x.strip() for x in args.parallel.split(",") if x.strip()]
+        unknown = [x for x in layouts if x not in LAYOUTS]
+        if unknown or not layouts:
+            parser.error(f"--parallel: unknown layout(s) {unknown}; choose from "
+                         f"{', '.join(LAYOUTS)}")  # fmt: skip
+        if args.baseline is not None:
+            parser.error("--parallel measures this checkout only (no --baseline)")
+        out = args.out
+        if out == parser.get_default("out"):
+            out = REPO / "bench" / "results" / "recovery-layouts.md"
+        write_report(out, layout_report(layouts, args.repeat), echo=True)
+        return 0
     command = "python bench/recovery_cpu.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = Path(tempfile.mkdtemp(prefix="xmig-bench-"))
@@ -316,6 +346,90 @@ def main() -> int:
     ]
     write_report(args.out, [*lines, *comparison])
     return 0
+
+
+def layout_run(work: Path, name: str, layout: str, flags: list[str]) -> dict:
+    """One 4-rank run of ``layout`` with ``flags``; its summary."""
+    script, script_flags = LAYOUTS[layout]
+    summary = work / f"{name}.json"
+    cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", str(LAYOUT_RANKS),
+           "--summary", str(summary), *flags, str(script), *script_flags,
+           "--steps", str(16), *SLOW]  # fmt: skip
+    bounded(cmd, work / f"{name}.log")
+    if not summary.exists():
+        raise RuntimeError(f"{name}: no summary; see {work / (name + '.log')}")
+    return json.loads(summary.read_text())
+
+
+def layout_report(layouts: list[str], repeat: int) -> list[str]:
+    """Recovery per parallel layout: each layout's fault-free run, then a SIGKILL of rank 1
+    at each point of a step (hot spare) and mid-backward from a cold start, ``repeat`` times;
+    every recovery compared bit for bit with the fault-free run."""
+    command = "python bench/recovery_cpu.py " + " ".join(sys.argv[1:])
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    work = Path(tempfile.mkdtemp(prefix="xmig-layouts-"))
+    cases = [(point, []) for point in POINTS] + [("backward", ["--hot-spares", "0"])]
+    lines = [
+        "# Recovery per parallel layout (CPU)",
+        "",
+        f"Measured {started} with `{command}`: {LAYOUT_RANKS} ranks (gloo); machine: {machine()}.",
+        "",
+        "Layouts: `ddp`, `hsdp` (2 × 2) and `tp-dp` (2 × 2) are the demo GPT "
+        f"(`{' '.join(MODEL)}`, `--parallel …`); `ddp-subgroup` is `tests/scripts/groups.py` "
+        "(DDP over the dp groups of a (stage, dp) mesh, with world and stage-group ops in every "
+        f"step). Every run has `{' '.join(SLOW)}` in the script (no effect on any number) so "
+        "that the node's hot spare is warm before the fault; `cold` is `--hot-spares 0`. "
+        f"Fault: SIGKILL of rank 1 at step {FAULT_STEP}. Seconds, median of {repeat} run(s) "
+        "with the range; phases are medians.",
+        "",
+        "| layout | fault | replacement | total (s) | park | respawn | rebuild | pull | replay "
+        "| pulled | verified | bit-identical | groups rebuilt / kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layout in layouts:
+        reference = layout_run(work, f"{layout}-reference", layout, [])
+        expected = reference["final_params_sha256"]
+        for point, extra in cases:
+            spec = f"kill:rank=1:step={FAULT_STEP}:at={point}"
+            records, identical, failed = [], [], []
+            for i in range(repeat):
+                name = f"{layout}-{point}{'-cold' if extra else ''}-{i}"
+                summary = layout_run(work, name, layout, [*extra, "--inject", spec])
+                identical.append(summary["final_params_sha256"] == expected)
+                if summary["recoveries"]:
+                    records.append(summary["recoveries"][0])
+                else:
+                    failed.append(summary["message"])
+                print(f"{layout} {spec}{' cold' if extra else ''} #{i}: "
+                      f"{summary['message'][:110]}", flush=True)  # fmt: skip
+            origin = "cold" if extra else "hot spare"
+            if failed:
+                lines.append(f"| {layout} | `{point}` | {origin} | not recovered: {failed[0]} "
+                             "|||||||||")  # fmt: skip
+                continue
+            totals = [r["total_s"] for r in records]
+
+            def phase(name: str, found: list[dict] = records) -> str:
+                return f"{statistics.median(r['phases'][name] for r in found):.3f}"
+
+            groups = records[0]["groups"]
+            verified = ", ".join(sorted({str(r["verified"]) for r in records}))
+            pulled = statistics.median(r["pull_bytes"] for r in records) / 1e6
+            lines.append(
+                f"| {layout} | `{point}` | {origin} | {spread(totals, 2)} | {phase('park')} | "
+                f"{phase('respawn')} | {phase('rebuild')} | {phase('pull')} | {phase('replay')} "
+                f"| {pulled:.1f} MB | {verified} | {sum(identical)}/{len(identical)} | "
+                f"{len(groups['rebuilt'])} / {len(groups['kept'])} |"
+            )
+    lines += [
+        "",
+        "Phases as in `recovery-cpu.md`. The hot spare's rows are the ones to compare across "
+        "layouts: a cold start is mostly `import torch` and building the model on a 2-core "
+        f"machine that runs {LAYOUT_RANKS} ranks. `groups rebuilt / kept`: the groups that "
+        "hold rank 1 get new communicators, the others go on untouched.",
+        "",
+    ]
+    return lines
 
 
 def median_run(results: list[dict]) -> dict:
