@@ -28,7 +28,9 @@ def reference(tmp_path_factory, world, pattern, workers):
 
 
 @pytest.mark.parametrize("pattern, workers, world, fault, verified", [
-    ("batches", 0, 2, "kill:rank=1:step=5:at=backward", True),
+    # (test_recovery.py kills at world 2 at every point; here the data's own patterns)
+    pytest.param("batches", 0, 2, "kill:rank=1:step=5:at=backward", True,
+                 marks=pytest.mark.long),
     ("batches-prefetch", 2, 3, "kill:rank=2:step=5:at=backward", True),
     pytest.param("batches-prefetch", 0, 2, "exit:rank=1:step=5:at=boundary", "unverifiable",
                  marks=pytest.mark.long),
@@ -123,7 +125,9 @@ def test_xmig_check_passes_a_script_that_recovers_bit_identically(tmp_path):
 
 
 @pytest.mark.parametrize("pattern, verdict", [
-    ("prefetch-locals", "differs at forward 0 of step 3: the batch is not a function of the step"),
+    # (a prefetched local is reported in CI by the replay check below)
+    pytest.param("prefetch-locals", "differs at forward 0 of step 3: the batch is not a "
+                 "function of the step", marks=pytest.mark.long),
     pytest.param("iterator", "differs at forward 0 of step 3: the batch is not a function of "
                  "the step", marks=pytest.mark.long),
     ("own-generator", "differs at collective 0 of step 3 (allreduce): its batches are the "

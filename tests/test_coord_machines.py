@@ -23,6 +23,7 @@ from xmig.jobspec import JobSpec
 from xmig.protocol import (
     Abort,
     AgentHello,
+    CheckpointWritten,
     CriuStatus,
     Dump,
     Dumped,
@@ -41,6 +42,7 @@ from xmig.protocol import (
     RecoveryFailed,
     Rejoined,
     Release,
+    ReplayMismatched,
     Respawn,
     Restore,
     Restored,
@@ -56,6 +58,7 @@ from xmig.protocol import (
     WorkerExited,
     WorkerJoined,
     WorkerStarted,
+    WriteCheckpoint,
 )
 
 S = JobState
@@ -611,3 +614,88 @@ def test_the_final_fingerprint_covers_every_set_of_replicas():
     assert final_fingerprint(job) == "a"  # one set: rank 0's, as always
     job.done = {0: done(0, "a", [0, 1]), 1: done(1, None, [0, 1]), 2: done(2, "b", [2, 3])}
     assert final_fingerprint(job) == hashlib.sha256(b"0:a;2:b;").hexdigest()
+
+
+# ---- a fault that cannot be recovered: a just-in-time checkpoint, then the stop ----------------
+
+
+def test_an_unrecoverable_fault_saves_the_state_before_the_job_stops():
+    from xmig.coord.checkpoint import Sealed
+    from xmig.coord.orders import Seal
+
+    job = running_job(nnodes=3, max_recoveries=0, checkpoint_dir="/ck")
+    job.on(kill(1), T0)
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S + 0.01)
+    assert job.state is S.CHECKPOINTING and job.generation == 1
+    assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
+    assert not sent(orders, StopWorkers)
+    job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2)
+    orders = job.on(Parked(generation=1, position=position(), rank=2), T0 + 0.2)
+    ((_, write),) = sent(orders, WriteCheckpoint)
+    assert write == WriteCheckpoint(generation=1, folder="/ck/.job-step3.partial", step=3,
+                                    writers={"0": 0})  # fmt: skip
+    orders = job.on(CheckpointWritten(generation=1, shard=0, file="shard-00000.safetensors",
+                                      bytes=100, sha256="ab", seconds=0.1, objects=["model"],
+                                      first_step=0, rank=0), T0 + 0.3)  # fmt: skip
+    (seal,) = [o for o in orders if isinstance(o, Seal)]
+    assert (seal.partial, seal.final) == ("/ck/.job-step3.partial", "/ck/job-step3")
+    orders = job.on(Sealed(1), T0 + 0.4)
+    assert job.state is S.STOPPING and sent(orders, StopWorkers)
+    assert any("just-in-time checkpoint of step 3 written to /ck/job-step3" in t
+               for t in said(orders))  # fmt: skip
+    assert job.jit_checkpoint["path"] == "/ck/job-step3" and job.jit_checkpoint["complete"]
+
+
+def test_a_fault_while_parking_for_the_checkpoint_leaves_that_rank_out():
+    job = running_job(nnodes=3, max_recoveries=0, checkpoint_dir="/ck")
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S + 0.01)
+    job.on(Parked(generation=1, position=position(), rank=0), T0 + 0.2)
+    orders = job.on(kill(2, t=T0 + 0.3), T0 + 0.3)
+    assert job.state is S.CHECKPOINTING
+    assert sent(orders, WriteCheckpoint)[0][1].writers == {"0": 0}
+
+
+def test_without_a_holder_nothing_is_saved_and_the_job_stops_at_once():
+    job = running_job(nnodes=1, nproc_per_node=1, checkpoint_dir="/ck")
+    job.on(kill(0), T0)
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S + 0.01)
+    assert job.state is S.STOPPING and sent(orders, Abort)
+    assert job.jit_checkpoint == {"path": None, "step": None,
+                                  "why": "no rank that holds the state is left"}  # fmt: skip
+
+
+def test_a_replay_refused_by_a_replacement_starts_the_recovery_over_as_a_rollback():
+    job, _ = recovering_job(nnodes=3)
+    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=False), T0)
+    for rank in (0, 2):
+        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
+    assert job.recovery.plan.mode == "replay"
+    orders = job.on(ReplayMismatched(generation=1, why="op 0 differs", rank=1), T0 + 0.5)
+    assert job.state is S.RECOVERING and job.generation == 2
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1]))]
+    ((node, respawn),) = sent(orders, Respawn)
+    assert node == 1 and respawn.attempt == 2
+    # the refusing replacement's end and the survivors' failed replay belong to generation 1
+    job.on(RecoveryFailed(error="connection closed", generation=1, rank=0), T0 + 0.6)
+    exit_of_refuser = Fault(record=FaultRecord(
+        rank=1, node=1, pid=301, attempt=1, kind="exit", detail="exit 3", step=3,
+        t_fault=T0 + 0.6, t_detected=T0 + 0.61, fault_time_source="detection",
+        detected_after_s=0.01))  # fmt: skip
+    job.on(exit_of_refuser, T0 + 0.61)
+    assert job.state is S.RECOVERING and job.recovery.generation == 2
+    job.on(Parked(generation=2, position=position(), rank=0), T0 + 0.7)
+    orders = job.on(Parked(generation=2, position=position(), rank=2), T0 + 0.7)
+    ((_, plan),) = sent(orders, Rebuild)
+    assert plan.mode == "rollback" and plan.why.startswith("replaying it failed: rank 1's op")
+
+
+def test_a_recovery_given_up_ends_its_replacement_before_the_survivors_save():
+    from xmig.protocol import EndRank
+
+    job, _ = recovering_job(nnodes=3, checkpoint_dir="/ck")
+    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=False), T0)
+    orders = job.on(kill(2, t=T0 + 0.3), T0 + 0.3)
+    assert sent(orders, EndRank) == [(1, EndRank(rank=1, pid=301))]
+    assert job.state is S.CHECKPOINTING
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1, 2]))]

@@ -103,6 +103,7 @@ def test_checkpoint_restart_baseline_resumes_bit_identically(tmp_path):
     assert hashes == [reference.summary["final_params_sha256"]]
 
 
+@pytest.mark.long  # the GPT's recoveries run in CI; this is the other workload
 def test_the_mlp_workload_recovers_bit_identically(tmp_path):
     """The comparison's second workload: a kill mid-backward changes no bit of the result."""
     mlp = ("--model", "mlp", "--n-embd", "64")
@@ -136,6 +137,7 @@ def test_a_tp_by_dp_rank_killed_in_its_forward_pulls_from_its_data_parallel_peer
     replicas are taken when the step loop begins."""
     four = ("--nproc-per-node", "4", "--hot-spares", "0")
     extra = ("--parallel", "tp-dp", "--preset", "small", "--quiet")
+    extra = (*extra, "--steps", "4")  # the last --steps is the one taken
     clean = _train(tmp_path, "clean", layout=four, extra=extra)
     killed = _train(tmp_path, "kill", extra=extra,
                     layout=(*four, "--inject", "kill:rank=1:step=3:at=forward"))  # fmt: skip

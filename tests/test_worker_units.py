@@ -87,7 +87,10 @@ def test_each_order_reaches_its_handler():
     assert pauses == [pause]
     rebuild = protocol.Rebuild(generation=2, mode="replay", step=4, source=1, pulls=[0])
     orders.dispatch(rebuild)
-    assert orders.plans.next(2, timeout=1.0) == rebuild
+    assert orders.plans.next(2, timeout=1.0) == rebuild  # the park before it is skipped
+    write = protocol.WriteCheckpoint(generation=2, folder="/c", step=4, writers={"1": 0})
+    orders.dispatch(write)
+    assert orders.plans.next(2, timeout=1.0) == write
     dump = protocol.Dump(generation=3, rank=1, images="/i", rejoin_file="/r", serve=False)
     resume = protocol.Resume(generation=3)
     orders.dispatch(dump)
@@ -102,7 +105,28 @@ def test_each_order_reaches_its_handler():
     assert orders.released.is_set()
     assert set(orders.table) == {protocol.Park, protocol.Rebuild, protocol.Abort, protocol.Pause,
                                  protocol.Dump, protocol.Resume, protocol.Release,
-                                 protocol.StateAnnounced}  # fmt: skip
+                                 protocol.StateAnnounced, protocol.WriteCheckpoint,
+                                 protocol.SaveState}  # fmt: skip
+
+
+def test_a_park_that_replaces_this_rank_is_not_its_own():
+    orders, parks, _ = _orders()  # rank 1's
+    orders.dispatch(protocol.Park(generation=4, replaced=[1]))
+    assert parks == []
+
+
+def test_a_later_park_ends_the_wait_for_an_earlier_plan():
+    """A recovery given up (its replacement failed) is followed by a park of a later
+    generation: the survivor waiting for the earlier plan stops waiting at once."""
+    from xmig.worker.orders import Superseded
+
+    orders, parks, _ = _orders()
+    orders.dispatch(protocol.Park(generation=2, replaced=[0]))
+    orders.plans.next(2, timeout=0.01)  # the wait began
+    orders.dispatch(protocol.Park(generation=3, replaced=[0]))
+    with pytest.raises(Superseded, match="generation 2 was given up for 3"):
+        orders.plans.next(2, timeout=5.0)
+    assert [p.generation for p in parks] == [2, 3]
 
 
 def test_orders_before_start_wait_and_then_come_in_order():

@@ -33,6 +33,7 @@ RECOVERY_TIMEOUT = "XMIG_RECOVERY_TIMEOUT"
 LOG_LEVEL = "XMIG_LOG_LEVEL"
 STRICT = "XMIG_STRICT"
 TRACE_DIR = "XMIG_TRACE_DIR"
+RESUME = "XMIG_RESUME"
 
 ROLE_NAME = "default"  # torchrun's one role
 
@@ -58,6 +59,7 @@ class WorkerEnv:
     log_level: str = DEFAULT_LOG_LEVEL
     strict: bool = DEFAULT_STRICT
     trace_dir: str | None = None
+    resume: str | None = None  # the checkpoint a rank of a resumed job starts from
     faults: list[FaultSpec] = field(default_factory=list)
     # job-wide numbers torchrun also hands its workers; left out of the environment when unknown
     nnodes: int | None = None
@@ -104,6 +106,9 @@ class WorkerEnv:
             log_level=spec.log_level,
             strict=spec.strict,
             trace_dir=spec.trace_dir,
+            # the first process of each rank; a later one replaces a rank that failed after
+            # the resume, and pulls its state from a peer like any replacement
+            resume=spec.resume if attempt == 0 else None,
             faults=faults,
             nnodes=spec.nnodes,
             local_world_size=spec.nproc_per_node,
@@ -159,6 +164,8 @@ class WorkerEnv:
             env[AGENT_ADDR] = self.agent_addr
         if self.trace_dir:
             env[TRACE_DIR] = self.trace_dir
+        if self.resume:
+            env[RESUME] = self.resume
         return env
 
     @classmethod
@@ -183,6 +190,7 @@ class WorkerEnv:
             log_level=env.get(LOG_LEVEL, DEFAULT_LOG_LEVEL),
             strict=env.get(STRICT, "1" if DEFAULT_STRICT else "0") == "1",
             trace_dir=env.get(TRACE_DIR) or None,
+            resume=env.get(RESUME) or None,
             faults=faults,
             nnodes=_int_or_none(env.get("GROUP_WORLD_SIZE")),
             local_world_size=_int_or_none(env.get("LOCAL_WORLD_SIZE")),

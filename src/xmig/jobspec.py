@@ -13,6 +13,7 @@ the agent read them from here.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -78,6 +79,10 @@ class JobSpec:
     log_level: str = DEFAULT_LOG_LEVEL
     strict: bool = DEFAULT_STRICT  # a recovery shown not to be bit-identical stops the job
     trace_dir: str | None = None  # where workers write what they issue (``xmig check``)
+    # where a just-in-time checkpoint goes when a fault cannot be recovered (the launcher
+    # sets the job's folder when none is asked for)
+    checkpoint_dir: str | None = None
+    resume: str | None = None  # the checkpoint this job resumes from
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field
@@ -133,6 +138,11 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def script_path(self) -> str:
+        """The script as an absolute path (what a checkpoint records and a resume compares)."""
+        return os.path.abspath(os.path.join(self.cwd, self.script))
 
     @property
     def all_nodes(self) -> int:

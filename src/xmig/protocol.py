@@ -226,6 +226,16 @@ class ReadyForDump(Message):
     t: float
 
 
+@message("state_saved", W, A, request=True)
+@wire
+class StateSaved(Message):
+    """After a ``SaveState``: this rank's state is in ``file`` (of ``step``), or ``error``."""
+
+    file: str | None
+    step: int | None
+    error: str | None = None
+
+
 @message("done", W, A, request=True)
 @wire
 class Done(Message):
@@ -266,6 +276,37 @@ class Recovered(Message):
 @wire
 class RecoveryFailed(Message):
     error: str
+    rank: int = -1
+    t: float = 0.0
+    generation: int | None = None  # the recovery it failed (None: whatever is under way)
+
+
+@message("replay_mismatched", W, C, forward=True)
+@wire
+class ReplayMismatched(Message):
+    """A replacement's op differs from what its survivors logged: the step cannot be
+    replayed (the replacement ends once the coordinator has answered)."""
+
+    generation: int
+    why: str
+    rank: int = -1
+    t: float = 0.0
+
+
+@message("checkpoint_written", W, C, forward=True)
+@wire
+class CheckpointWritten(Message):
+    """A writer's shard of a just-in-time checkpoint is on disk (``error``: it is not)."""
+
+    generation: int
+    shard: int
+    file: str
+    bytes: int
+    sha256: str
+    seconds: float
+    objects: list[str]  # the registered objects' names
+    first_step: int | None
+    error: str | None = None
     rank: int = -1
     t: float = 0.0
 
@@ -589,6 +630,15 @@ class Shutdown(Message):
     pass
 
 
+# ---- agent → its workers ---------------------------------------------------------------------
+@message("save_state", A, W)
+@wire
+class SaveState(Message):
+    """The coordinator is lost: park, and write this rank's state into ``folder``."""
+
+    folder: str
+
+
 # ---- coordinator → workers, through their agents --------------------------------------------
 @message("park", C, A, relay=Relay.ALL)
 @wire
@@ -622,6 +672,31 @@ class Rebuild(Message):
     def served_by(self, rank: int) -> list[int]:
         """The ranks ``rank`` serves the state to, in order."""
         return [r for r in self.pulls if self.source_of(r) == rank]
+
+
+@message("write_checkpoint", C, A, relay=Relay.ALL)
+@wire
+class WriteCheckpoint(Message):
+    """To parked survivors: the fault cannot be recovered; each rank in ``writers`` writes
+    its state as of the start of ``step`` as the shard named there, into ``folder``."""
+
+    generation: int
+    folder: str
+    step: int
+    writers: dict[str, int]  # rank -> the shard it writes
+
+    def shard_of(self, rank: int) -> int | None:
+        return self.writers.get(str(rank))
+
+
+@message("end_rank", C, A)
+@wire
+class EndRank(Message):
+    """End ``rank``'s process on this node (a replacement whose recovery was given up: a
+    survivor may be waiting for it in a collective, which its end lets go)."""
+
+    rank: int
+    pid: int
 
 
 @message("abort", C, A, relay=Relay.ALL)

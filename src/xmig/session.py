@@ -11,6 +11,7 @@ import time
 import traceback
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,9 +64,14 @@ class Session:
         gate, layout, verifier = OptimizerGate(ctx), DdpLayout(ctx), Verifier(ctx)
         survivor = Survivor(ctx, layout, verifier, gate)
         migration = Migration(ctx)
-        replacement = Replacement(ctx, layout, verifier) if env.replacement else None
+        replacement = None
+        if env.replacement:
+            replacement = Replacement(ctx, layout, verifier)
+        elif env.resume is not None:  # every rank of a resumed job starts from its shard
+            replacement = Replacement(ctx, layout, verifier, checkpoint=Path(env.resume))
         self._replacement = replacement
-        ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause)
+        ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause,
+                            on_save=survivor.on_save)  # fmt: skip
         self._loop = StepLoop(ctx, gate, layout, verifier, survivor, migration, replacement)
         if env.managed:
             ctx.connect()
@@ -102,6 +108,8 @@ class Session:
         )
         if ctx.step is not None:
             proxy.begin_step(ctx.step)
+        if self._replacement is not None and ctx.env.replacement:
+            proxy.on_mismatch = self._replacement.refuse
         members = list(range(size)) if ranks is None else ranks
         ctx.groups.add(Group(name, c10d_name, members, proxy))
         return proxy

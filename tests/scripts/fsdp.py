@@ -1,14 +1,16 @@
 """FSDP2 on CPU for the tests: ``--layout hsdp`` shards a small MLP over the shard dimension of
 a (replicate, shard) mesh of 2 × 2 (its replicas along the other), ``--layout fsdp`` over all 4
 ranks (no replica of any shard), ``--layout tp-dp`` tensor parallel over tp and data parallel
-over dp on a (dp, tp) mesh of 2 × 2. ``--log-loss`` sums the loss over the world each step
+over dp on a (dp, tp) mesh of 2 × 2; ``--layout hsdp-by-node`` is HSDP with each shard's two
+replicas next to each other (ranks 0, 1 and 2, 3: on one node each with 2 ranks a node).
+``--log-loss`` sums the loss over the world each step
 (as a script logs it): on one rank FSDP2 itself communicates nothing, this op does."""
 
 import argparse
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -17,7 +19,8 @@ import xmig
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=("hsdp", "fsdp", "tp-dp"), default="hsdp")
+    parser.add_argument("--layout", default="hsdp",
+                        choices=("hsdp", "hsdp-by-node", "fsdp", "tp-dp"))  # fmt: skip
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--log-loss", action="store_true")
     args = parser.parse_args()
@@ -36,6 +39,8 @@ def main():
     else:
         if args.layout == "hsdp":
             mesh = init_device_mesh(kind, (2, 2), mesh_dim_names=("replicate", "shard"))
+        elif args.layout == "hsdp-by-node":
+            mesh = DeviceMesh(kind, [[0, 2], [1, 3]], mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(kind, (session.world_size,), mesh_dim_names=("shard",))
         for layer in model:

@@ -37,6 +37,7 @@ from xmig.protocol import (
     Done,
     Dump,
     Dumped,
+    EndRank,
     Fault,
     FaultRecord,
     Heartbeat,
@@ -53,8 +54,10 @@ from xmig.protocol import (
     Respawn,
     Restore,
     Restored,
+    SaveState,
     Shutdown,
     Spares,
+    StateSaved,
     StepStarted,
     Stopped,
     StopWorkers,
@@ -67,6 +70,7 @@ from xmig.protocol import (
     encode,
     fields_of,
 )
+from xmig.state.checkpoint import lost_coordinator_folder
 from xmig.wire import Client, Peer, Server, WireError, format_address
 
 log = logging.getLogger(__name__)
@@ -229,6 +233,9 @@ class Agent:
         self.mover = ProcessMover()
         self.server: Server | None = None
         self.coord: Client | None = None
+        # the coordinator is lost: the ranks still saving their state, and until when
+        self._saving: set[int] | None = None
+        self._saving_until = 0.0
 
     @property
     def job(self) -> JobSpec:
@@ -358,6 +365,10 @@ class Agent:
                 result = EVENT_HANDLERS[type(event)](self, event)
                 if result is not None:
                     return result
+            if self._saving is not None:
+                if self._saved_all():
+                    return 1
+                continue  # no heartbeat kills a rank that writes its state, no spare starts
             self._check_heartbeats()
             starting = any(w.state == "starting" for w in self.workers.values())
             self.spares.keep(self.job.cwd, len(self.workers), starting)
@@ -538,6 +549,12 @@ class Agent:
         self._spawn(order.rank, order.local_rank, attempt=order.attempt,
                     generation=order.generation)  # fmt: skip
 
+    def _end_rank(self, order: EndRank) -> None:
+        worker = self.workers.get(order.rank)
+        if worker is not None and worker.pid == order.pid and worker.state != "exited":
+            worker.state = "faulted"  # its exit is no news
+            kill_group(worker.pid, signal.SIGKILL)
+
     def _inject(self, order: InjectFault) -> None:
         worker = self.workers.get(order.rank)
         if worker is None or worker.peer is None or not worker.peer.push(encode(order)):
@@ -552,10 +569,54 @@ class Agent:
         self._stop_workers(0.0)
         return 0
 
-    def _coord_lost(self, event: CoordLost) -> int:
-        log.error("agent %d lost the coordinator; stopping its workers", self.node_rank)
+    def _coord_lost(self, event: CoordLost) -> int | None:
+        """No coordinator can decide any more: this node's ranks save their own state (the
+        launcher makes one checkpoint of what every node's saved), then they stop."""
+        if self._saving is not None:
+            return None  # saving already
+        job = self._job
+        live = [w for w in self.workers.values()
+                if w.peer is not None and w.state in ("running", "done")]  # fmt: skip
+        if job is None or job.checkpoint_dir is None or not live:
+            log.error("agent %d lost the coordinator; stopping its workers", self.node_rank)
+            self._stop_workers(0.0)
+            return 1
+        ranks = sorted(w.rank for w in live)
+        log.error("agent %d lost the coordinator; ranks %s save their state", self.node_rank,
+                  ranks)  # fmt: skip
+        self.spares.wanted = 0
+        order = encode(SaveState(folder=lost_coordinator_folder(job.checkpoint_dir,
+                                                                job.job_id)))  # fmt: skip
+        with self._lock:
+            self._saving = set(ranks)
+        self._saving_until = time.monotonic() + job.recovery_timeout
+        for worker in live:
+            worker.peer.push(order)  # type: ignore[union-attr]
+        return None
+
+    def _worker_saved(self, worker: Worker, peer: Peer, msg: StateSaved, wall: float) -> None:
+        # (the connection's thread holds the agent's lock while it hands a message on)
+        if self._saving is not None:
+            self._saving.discard(worker.rank)
+        if msg.error:
+            log.error("rank %d could not save its state: %s", worker.rank, msg.error)
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")  # the main loop looks again
+
+    def _saved_all(self) -> bool:
+        """Every rank saved (or ended, or the time is up): the workers are stopped."""
+        with self._lock:
+            saving = set(self._saving or ())
+        waiting = {r for r in saving
+                   if (w := self.workers.get(r)) is not None and w.state != "exited"}  # fmt: skip
+        late = time.monotonic() > self._saving_until
+        if waiting and not late:
+            return False
+        if waiting:
+            log.error("agent %d: ranks %s did not save their state in time", self.node_rank,
+                      sorted(waiting))  # fmt: skip
         self._stop_workers(0.0)
-        return 1
+        return True
 
     def _send(self, msg: Message) -> None:
         assert self.coord is not None
@@ -745,6 +806,7 @@ WORKER_HANDLERS: dict[type[Message], Callable[..., None]] = {
     WorkerError: Agent._worker_trouble,
     ReadyForDump: Agent._worker_ready_for_dump,
     Done: Agent._worker_done,
+    StateSaved: Agent._worker_saved,
 }
 # an event of the main loop (a coordinator's order or the agent's own) -> its handler; a
 # handler that returns an int ends the agent with that exit code
@@ -752,6 +814,7 @@ EVENT_HANDLERS: dict[type, Callable[..., int | None]] = {
     **{cls: Agent._relay for cls in CATALOGUE.values() if cls.RELAY is Relay.ALL},
     Dump: Agent._dump_order,
     InjectFault: Agent._inject,
+    EndRank: Agent._end_rank,
     Respawn: Agent._respawn,
     Restore: Agent._restore,
     StopWorkers: Agent._stop_order,

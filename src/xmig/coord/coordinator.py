@@ -10,8 +10,10 @@ import queue
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from xmig.coord.checkpoint import Sealed
 from xmig.coord.eventlog import EventLog
 from xmig.coord.machine import LIVE, Job, JobState
 from xmig.coord.orders import (
@@ -22,6 +24,7 @@ from xmig.coord.orders import (
     Refused,
     Reply,
     Say,
+    Seal,
     Tick,
     ToAll,
     ToNode,
@@ -207,8 +210,21 @@ class Coordinator:
             pending.reply = order.value
         elif isinstance(order, Finish):
             self._finish(order.summary)
+        elif isinstance(order, Seal):
+            self._queue.put(_Pending(self._seal(order)))
         else:  # pragma: no cover - the Job resolves every other order itself
             raise AssertionError(f"an order the coordinator cannot carry out: {order!r}")
+
+    def _seal(self, order: Seal) -> Sealed:
+        """Put the checkpoint's manifest in and rename it into place; how that went."""
+        from xmig.state.checkpoint import seal
+
+        try:
+            seal(Path(order.partial), Path(order.final), order.manifest)
+        except (OSError, ValueError) as exc:
+            log.error("sealing the checkpoint %s failed: %s", order.final, exc)
+            return Sealed(order.generation, f"{type(exc).__name__}: {exc}")
+        return Sealed(order.generation)
 
     def _push(self, node: int, msg: Message) -> None:
         peer = self.peers.get(node)

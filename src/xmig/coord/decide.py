@@ -62,6 +62,18 @@ def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int]) -> str 
     return None
 
 
+def why_no_checkpoint(job: Job, holders: list[int]) -> str | None:
+    """Why the ranks ``holders`` cannot save the job's state (None: they can try)."""
+    if not holders:
+        return "no rank that holds the state is left"
+    unmanaged = sorted(set(holders) - job.joined)
+    if unmanaged:
+        return f"rank {unmanaged[0]} never called xmig.init(), so it cannot save its state"
+    if job.spec.checkpoint_dir is None:
+        return "no folder to write it to"
+    return None
+
+
 def migration_problem(job: Job, rank: int, target: int | None) -> tuple[str | None, int]:
     """Why ``rank`` cannot move to ``target`` now (None: it can), and the target."""
     from xmig.coord.machine import JobState

@@ -16,6 +16,7 @@ from typing import Any
 
 from xmig.bitwise import replay_divergence
 from xmig.coord import decide, summary
+from xmig.coord.checkpoint import Checkpoint, Sealed
 from xmig.coord.migration import Migration, MigrationPhase, images_dir, shared_images
 from xmig.coord.orders import (
     AgentLost,
@@ -25,6 +26,8 @@ from xmig.coord.orders import (
     Order,
     Refused,
     Reply,
+    Retry,
+    Saved,
     Say,
     Settled,
     Tick,
@@ -38,8 +41,10 @@ from xmig.protocol import (
     Abort,
     AgentHello,
     CannotRecover,
+    CheckpointWritten,
     CriuStatus,
     Dumped,
+    EndRank,
     Fault,
     FaultRecord,
     InjectFault,
@@ -56,6 +61,7 @@ from xmig.protocol import (
     RecoveryFailed,
     Rejoined,
     Release,
+    ReplayMismatched,
     Respawn,
     Restored,
     Resumed,
@@ -85,6 +91,8 @@ class JobState(enum.Enum):
     SETTLING = "settling"  # a fault: its consequences arrive before the cause is chosen
     RECOVERING = "recovering"
     MIGRATING = "migrating"
+    # a fault that cannot be recovered: the ranks that hold state save it before the stop
+    CHECKPOINTING = "checkpointing"
     STOPPING = "stopping"  # agents stop their workers
     COMPLETED = "completed"
     FAILED = "failed"
@@ -95,16 +103,18 @@ S = JobState
 TRANSITIONS: dict[JobState, set[JobState]] = {
     S.STARTING: {S.RUNNING, S.SETTLING, S.STOPPING},
     S.RUNNING: {S.SETTLING, S.MIGRATING, S.STOPPING, S.COMPLETED},
-    S.SETTLING: {S.RECOVERING, S.STOPPING},
-    S.RECOVERING: {S.RUNNING, S.STOPPING},
+    S.SETTLING: {S.RECOVERING, S.CHECKPOINTING, S.STOPPING},
+    S.RECOVERING: {S.RUNNING, S.RECOVERING, S.CHECKPOINTING, S.STOPPING},  # again: a retry
     S.MIGRATING: {S.RUNNING, S.STOPPING},
+    S.CHECKPOINTING: {S.STOPPING},
     S.STOPPING: {S.FAILED},
     S.COMPLETED: set(),
     S.FAILED: set(),
 }
-LIVE = (S.STARTING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATING)
-RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined)
+LIVE = (S.STARTING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATING, S.CHECKPOINTING)
+RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
 MIGRATION_EVENTS = (Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
+CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
 
 
 class IllegalTransition(AssertionError):
@@ -145,6 +155,8 @@ class Job:
     settle_until: float = 0.0
     recovery: Recovery | None = None
     migration: Migration | None = None
+    checkpoint: Checkpoint | None = None
+    jit_checkpoint: dict[str, Any] | None = None  # the just-in-time checkpoint's record
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     migrations: list[dict[str, Any]] = field(default_factory=list)
     # what the ranks said of each recovery's outcome: generation -> its checks
@@ -162,6 +174,7 @@ class Job:
     scheduled: list[dict[str, Any]] = field(default_factory=list)  # injected migrations
     total_steps: int | None = None  # as the script's step loop said
     warned: set[str] = field(default_factory=set)
+    retiring: set[int] = field(default_factory=set)  # processes whose end is expected
 
     def __post_init__(self) -> None:
         self.worker_pids = {r: [] for r in range(self.spec.world_size)}
@@ -182,6 +195,8 @@ class Job:
             if self.migration is not None and self.migration.phase is MigrationPhase.DROPPED:
                 self.migration = None
                 orders += [*self._enter(S.RUNNING, now), *self._maybe_release(now)]
+        if self.checkpoint is not None and isinstance(event, (*CHECKPOINT_EVENTS, Tick)):
+            orders += self._follow(self.checkpoint.on(event, now), now)
         if isinstance(event, Tick):
             orders += self._deadlines(now)
         return orders
@@ -202,6 +217,10 @@ class Job:
         for order in orders:
             if isinstance(order, GiveUp):
                 out += self._give_up(order.what, order.reason, now)
+            elif isinstance(order, Saved):
+                out += self._saved(order.record, now)
+            elif isinstance(order, Retry):
+                out += self._retry(order.why, now)
             elif isinstance(order, Settled):
                 out += self._settled(order, now)
             else:
@@ -250,6 +269,8 @@ class Job:
 
     def _worker_exited(self, msg: WorkerExited, now: float) -> list[Order]:
         self.exited.add(msg.rank)
+        if self.checkpoint is not None:
+            return self._follow(self.checkpoint.lost([msg.rank], now), now)
         if self.recovery is not None and msg.rank in self.recovery.survivors:
             return self._follow(self.recovery.fail(
                 f"rank {msg.rank} finished and exited during the recovery, so it cannot replay "
@@ -284,8 +305,12 @@ class Job:
     # ---- faults ------------------------------------------------------------------------------
     def _fault(self, msg: Fault, now: float) -> list[Order]:
         record = msg.record
+        if record.pid in self.retiring:
+            self.retiring.discard(record.pid)
+            return [Note("expected_exit", {"rank": record.rank, "pid": record.pid})]
         stale = record.generation is not None and record.generation < self.generation
-        if record.kind == "comm_error" and (self.state is S.RECOVERING or stale):
+        busy = (S.RECOVERING, S.CHECKPOINTING)
+        if record.kind == "comm_error" and (self.state in busy or stale):
             return []  # a survivor noticing the fault that is being recovered from
         if self.state in (S.STARTING, S.RUNNING):
             self.batch, self.settle_until = [record], now + SETTLE_WINDOW_S
@@ -294,8 +319,14 @@ class Job:
             self.batch.append(record)
             return [Note("fault", dataclasses.asdict(record))]
         self.faults.append(dataclasses.replace(record, secondary=self.state not in LIVE))
+        if self.state is S.CHECKPOINTING:
+            assert self.checkpoint is not None
+            return [Note("fault", dataclasses.asdict(record)),
+                    Say(f"fault while saving the checkpoint: {summary.describe(record)}"),
+                    *self._follow(self.checkpoint.lost(record.lost_ranks, now), now)]  # fmt: skip
         if self.state is S.RECOVERING:
             assert self.recovery is not None
+            self.recovery.lost.update(record.lost_ranks)
             return [Note("fault", dataclasses.asdict(record)),
                     Say(f"fault during recovery: {summary.describe(record)}"),
                     *self._follow(self.recovery.fail("a second fault hit during recovery", now),
@@ -332,9 +363,14 @@ class Job:
                 f"the agent of node {node} was lost", now), now)]  # fmt: skip
         if record is None or self.state is S.MIGRATING:
             return orders
+        if self.state is S.CHECKPOINTING:
+            assert self.checkpoint is not None
+            self.faults.append(record)
+            return [*orders, *self._follow(self.checkpoint.lost(record.lost_ranks, now), now)]
         if self.state is S.RECOVERING:
             assert self.recovery is not None
             self.faults.append(record)
+            self.recovery.lost.update(record.lost_ranks)
             return [*orders, *self._follow(self.recovery.fail(
                 f"the agent of node {node} was lost during recovery", now), now)]  # fmt: skip
         return [*orders, *self._fault(Fault(record=record), now)]
@@ -376,17 +412,33 @@ class Job:
         return orders + self._start_recovery(ordered[0], dead, now)
 
     # ---- recovery ----------------------------------------------------------------------------
-    def _start_recovery(self, primary: FaultRecord, replaced: list[int], now: float) -> list[Order]:
+    def _retry(self, why: str, now: float) -> list[Order]:
+        """The replay of a recovery failed (a replacement issued an op its survivors had not
+        logged; it ends itself): start the recovery over, every rank rolling the step back."""
+        failed = self.recovery
+        assert failed is not None
+        self.recovery = None
+        for rank in failed.replaced:
+            member = self.members.get(rank)
+            if member is not None:
+                self.retiring.add(member.pid)
+        return [Say(f"replay impossible: {why}; rolling the step back instead"),
+                *self._start_recovery(failed.primary, failed.replaced, now,
+                                      no_replay=f"replaying it failed: {why}")]  # fmt: skip
+
+    def _start_recovery(self, primary: FaultRecord, replaced: list[int], now: float,
+                        no_replay: str | None = None) -> list[Order]:  # fmt: skip
         why_not = decide.why_no_recovery(self, primary, replaced)
         if why_not is not None:
             self.reason = why_not
-            return [Say(f"no in-place recovery: {why_not}"), *self._stop("fault", now)]
+            holders = [r for r in range(self.spec.world_size) if r not in replaced]
+            return [Say(f"no in-place recovery: {why_not}"), *self._save(holders, now)]
         self.generation += 1
         survivors = [r for r in range(self.spec.world_size) if r not in replaced]
         placement = decide.placement(self, replaced)
         self.recovery = Recovery(self.generation, primary, replaced, survivors, started=now,
                                  deadline=now + self.spec.recovery_timeout,
-                                 placement=placement)  # fmt: skip
+                                 placement=placement, no_replay=no_replay)  # fmt: skip
         self.joined -= set(replaced)
         for rank in replaced:
             self.done.pop(rank, None)
@@ -413,6 +465,9 @@ class Job:
     def _recovery_failed(self, msg: RecoveryFailed, now: float) -> list[Order]:
         if self.recovery is None:
             return []
+        if msg.generation is not None and msg.generation != self.recovery.generation:
+            return [Note("ignored", {"why": f"rank {msg.rank}'s failure of generation "
+                                            f"{msg.generation}: {msg.error}"})]  # fmt: skip
         return self._follow(
             self.recovery.fail(f"rank {msg.rank} could not recover: {msg.error}", now), now
         )
@@ -452,11 +507,58 @@ class Job:
                     f"to a run without the fault: {why}", logging.WARNING)]  # fmt: skip
 
     def _give_up(self, what: str, reason: str, now: float) -> list[Order]:
-        """End a recovery or migration that cannot finish: every worker is told, the job stops
-        with ``reason``."""
+        """End a recovery or migration that cannot finish, with ``reason``: after a recovery
+        the survivors save their state first; otherwise every worker is told and the job
+        stops."""
+        recovery = self.recovery
         self.recovery = self.migration = None
         self.reason = reason
+        if recovery is not None:
+            holders = [r for r in recovery.survivors if r not in recovery.lost]
+            # the replacements have no state to save, and a survivor may wait for one of
+            # them inside a collective (gloo's cannot be aborted): they end first
+            ending = [ToNode(m.node, EndRank(rank=r, pid=m.pid)) for r in recovery.replaced
+                      if (m := self.members.get(r)) is not None and m.attempt > 0]  # fmt: skip
+            return [Say(f"{what}: {reason}"), *ending, *self._save(holders, now)]
         return [ToAll(Abort(reason=reason)), Say(f"{what}: {reason}"), *self._stop("fault", now)]
+
+    # ---- just-in-time checkpoint -----------------------------------------------------------
+    def _save(self, holders: list[int], now: float) -> list[Order]:
+        """The fault cannot be recovered: ``holders`` (the ranks whose state can be trusted)
+        save it before the job stops, where they can."""
+        holders = [r for r in holders if r not in self.exited]
+        why_not = decide.why_no_checkpoint(self, holders)
+        if why_not is not None:
+            self.jit_checkpoint = {"path": None, "step": None, "why": why_not}
+            return [
+                ToAll(Abort(reason=self.reason or why_not)),
+                Say(f"no just-in-time checkpoint: {why_not}"),
+                *self._stop("fault", now),
+            ]
+        self.generation += 1
+        self.checkpoint = Checkpoint(
+            self.spec, self.generation, self.reason or "fault", holders, started=now,
+            deadline=now + self.spec.recovery_timeout,
+        )  # fmt: skip
+        return [*self._enter(S.CHECKPOINTING, now),
+                Note("generation", {"generation": self.generation, "why": "checkpoint"}),
+                Say(f"saving a just-in-time checkpoint from ranks {holders}"),
+                *self.checkpoint.start(now)]  # fmt: skip
+
+    def _saved(self, record: dict[str, Any], now: float) -> list[Order]:
+        """The checkpoint is written, or could not be: the job stops, saying which."""
+        self.checkpoint = None
+        self.jit_checkpoint = record
+        if record["path"] is not None:
+            size = record["bytes"] / 2**20
+            line = (f"just-in-time checkpoint of step {record['step']} written to "
+                    f"{record['path']} ({record['shards']} shard(s), {size:.1f} MiB, "
+                    f"{record['seconds']:.2f} s)")  # fmt: skip
+            if record["why"]:
+                line += f"; incomplete: {record['why']}"
+        else:
+            line = f"no just-in-time checkpoint: {record['why']}"
+        return [Say(line), *self._stop("fault", now)]
 
     # ---- checks after a recovery -------------------------------------------------------------
     def _check(self, msg: Verify | NotBitIdentical, now: float) -> list[Order]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xmig.protocol import Message
+from xmig.state.checkpoint import Manifest
 
 
 # ---- events that are not messages ----------------------------------------------------------
@@ -69,7 +70,18 @@ class Finish:
     summary: dict[str, Any]
 
 
-# ---- what a recovery or migration tells the job --------------------------------------------
+@dataclass(frozen=True)
+class Seal:
+    """Put the checkpoint's manifest into ``partial`` and rename it to ``final``; the
+    coordinator reports back with ``checkpoint.Sealed``."""
+
+    generation: int
+    partial: str
+    final: str
+    manifest: Manifest
+
+
+# ---- what a recovery, migration or checkpoint tells the job --------------------------------
 @dataclass(frozen=True)
 class GiveUp:
     """The recovery or migration cannot finish; the job stops with ``reason``."""
@@ -86,8 +98,24 @@ class Settled:
     line: str
 
 
+@dataclass(frozen=True)
+class Retry:
+    """The recovery failed in a way that a rollback of the step can serve: start it over
+    as one (``why``: what made the replay impossible)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The just-in-time checkpoint is written (``record["path"]``) or could not be; the job
+    stops."""
+
+    record: dict[str, Any]
+
+
 class Refused(ValueError):
     """A request the job cannot carry out now; the message says why."""
 
 
-Order = ToAll | ToNode | Say | Note | Reply | Finish | GiveUp | Settled
+Order = ToAll | ToNode | Say | Note | Reply | Finish | Seal | GiveUp | Settled | Saved | Retry

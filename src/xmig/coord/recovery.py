@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xmig.bitwise import combine_replays, describe_verdict
-from xmig.coord.orders import GiveUp, Note, Order, Settled, ToAll
+from xmig.coord.orders import GiveUp, Note, Order, Retry, Settled, ToAll
 from xmig.protocol import (
     FaultRecord,
     Parked,
     Position,
     Rebuild,
     Recovered,
+    ReplayMismatched,
     StateAnnounced,
     StateSent,
     WorkerJoined,
@@ -37,10 +38,13 @@ def _consistent(lists: list[list[str]]) -> bool:
     return all(lst == longest[: len(lst)] for lst in lists)
 
 
-def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation: int) -> Rebuild:
+def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation: int,
+                 no_replay: str | None = None) -> Rebuild:  # fmt: skip
     """The ``Rebuild`` order for generation ``generation``, from where each survivor parked
     (``state_step``: the step whose start its state is; ``log_from``: the first step it
-    still holds the log of; ``signatures``: step → its logged ops' signatures)."""
+    still holds the log of; ``signatures``: step → its logged ops' signatures).
+    ``no_replay``: why the step must be rolled back whatever the logs hold (an earlier
+    attempt to replay it failed)."""
     if not positions:
         raise RecoveryImpossible("no rank survived to serve the state")
     early = sorted(r for r, p in positions.items() if p.state_step is None)
@@ -64,8 +68,10 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
     verify_ready_order = LAYOUT_LOCAL in sources
     state_steps = {r: int(p.state_step) for r, p in positions.items() if p.state_step is not None}
     low = min(state_steps.values())
-    reasons = []
-    if not all(p.keep_log for p in positions.values()):
+    reasons = [no_replay] if no_replay else []
+    if no_replay:
+        pass  # a replay of this step was tried and failed
+    elif not all(p.keep_log for p in positions.values()):
         reasons.append("the replay log is off")
     elif any(p.log_from is None or p.log_from > low for p in positions.values()):
         reasons.append(f"a survivor no longer holds the log of step {low}")
@@ -193,6 +199,8 @@ class Recovery:
     recovered: dict[int, Recovered] = field(default_factory=dict)
     from_spare: dict[int, bool] = field(default_factory=dict)
     placement: dict[int, int] = field(default_factory=dict)  # replaced rank -> its node
+    lost: set[int] = field(default_factory=set)  # survivors that died meanwhile
+    no_replay: str | None = None  # why this recovery rolls back (a replay of it failed)
 
     @property
     def expected(self) -> set[int]:
@@ -226,6 +234,8 @@ class Recovery:
                     *self._on_parked(event, now)]  # fmt: skip
         elif isinstance(event, StateSent):
             return self._relay_digest(event)
+        elif isinstance(event, ReplayMismatched):
+            return self._mismatched(event, now)
         elif isinstance(event, Recovered):
             self.recovered[event.rank] = event
             note = self._note(now, "recovered", rank=event.rank, role=event.role,
@@ -247,10 +257,20 @@ class Recovery:
             return []
         self.parked_at = now
         try:
-            self.plan = plan_rebuild(self.parked, self.replaced, self.generation)
+            self.plan = plan_rebuild(self.parked, self.replaced, self.generation,
+                                     no_replay=self.no_replay)  # fmt: skip
         except RecoveryImpossible as exc:
             return self._fail(str(exc), now)
         return [*self._enter(RecoveryPhase.RESTORING, now), ToAll(self.plan)]
+
+    def _mismatched(self, event: ReplayMismatched, now: float) -> list[Order]:
+        """A replacement's op is not what its survivors logged: the step cannot be replayed.
+        Where no rollback was tried yet, the recovery starts over as one."""
+        why = f"rank {event.rank}'s op differs from its survivors' log ({event.why})"
+        if self.plan is None or self.plan.mode != "replay" or event.rank not in self.replaced:
+            return self._fail(f"the step cannot be replayed: {why}", now)
+        orders = self._enter(RecoveryPhase.FAILED, now, why=why)
+        return [*orders, Retry(why)]
 
     def _relay_digest(self, event: StateSent) -> list[Order]:
         """The serving rank's digest of the state it sent, to the rank that received it."""

@@ -95,6 +95,11 @@ def summary(job: Job, now: float) -> dict[str, Any]:
                 message += f"; not recovered: {job.reason}"
         else:
             message = f"failed: {job.reason}"
+        saved = job.jit_checkpoint
+        if saved is not None and saved.get("path"):
+            message += f"; just-in-time checkpoint of step {saved['step']} in {saved['path']}"
+            if not saved.get("complete"):
+                message += " (incomplete)"
     faults = [dataclasses.asdict(f) for f in job.faults]
     return {
         "job_id": job.spec.job_id,
@@ -127,6 +132,9 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "lost_nodes": job.lost_nodes,
         "worker_nodes": {str(r): m.node for r, m in sorted(job.members.items())},
         "agent_netns": {str(n): i for n, i in sorted(job.agent_netns.items())},
+        # where the state was saved when a fault could not be recovered (None: no such fault)
+        "jit_checkpoint": job.jit_checkpoint,
+        "resumed_from": job.spec.resume,
         "stop_s": round(job.stop_s or 0.0, 4) if not completed else None,
         "duration_s": round(now - job.started, 3),
     }

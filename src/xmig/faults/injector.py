@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from xmig.faults.spec import FaultSpec
+from xmig.faults.spec import RECOVERY_POINTS, FaultSpec
 
 NODE_LOSS_WAIT_S = 30.0
 
@@ -59,7 +59,12 @@ class Injector:
             for s in self.pending
             if s.step is not None
             and (
-                s.step > total or (s.step == total and s.at != "boundary" and s.collective is None)
+                s.step > total
+                or (
+                    s.step == total
+                    and s.at not in ("boundary", *RECOVERY_POINTS)
+                    and s.collective is None
+                )  # fmt: skip
             )
         ]
 
@@ -88,6 +93,13 @@ class Injector:
             self._armed_raise = spec
             return
         self._fire(spec)
+
+    def at_phase(self, step: int | None, phase: str) -> None:
+        """Called as this rank, parked in ``step``, begins a phase of a recovery (or writes
+        its shard of a checkpoint)."""
+        spec = self._take(lambda s: s.step == step and s.at == phase)
+        if spec is not None:
+            self._fire(spec)
 
     def at_collective(self, step: int, index: int, op: str) -> None:
         """Called by the proxy before it issues the ``index``-th collective of ``step``."""

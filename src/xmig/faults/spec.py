@@ -9,6 +9,9 @@ from typing import Any
 # migrate: not a fault, a planned move of the rank to another node (to=N) at a step boundary
 KINDS = ("kill", "exit", "raise", "hang", "node", "migrate")
 POINTS = ("forward", "backward", "optimizer", "boundary")
+# where a rank parked in ``step`` is in a peer's recovery, or in writing a just-in-time
+# checkpoint: the fault fires as it begins that phase (``recovery record``'s phase names)
+RECOVERY_POINTS = ("park", "rebuild", "pull", "replay", "checkpoint")
 DEFAULT_POINT = "backward"
 
 
@@ -20,8 +23,11 @@ class FaultSpecError(ValueError):
 class FaultSpec:
     """One fault to inject into one rank at one step.
 
-    ``at`` is a point of the step (``forward``, ``backward``, ``optimizer``, ``boundary``) or
-    ``collective=K``: the K-th collective (counting from 0) that the rank issues in the step.
+    ``at`` is a point of the step (``forward``, ``backward``, ``optimizer``, ``boundary``),
+    ``collective=K``: the K-th collective (counting from 0) that the rank issues in the step,
+    or a phase of a peer's recovery this rank takes part in while parked in the step
+    (``park``, ``rebuild``, ``pull``, ``replay``; ``checkpoint``: writing its shard of a
+    just-in-time checkpoint).
     ``step`` may be None only for a fault injected into a running job: the next step.
     """
 
@@ -98,9 +104,14 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
         raise FaultSpecError(f"at=collective needs an index, e.g. at=collective=2, in {spec!r}")
     if at.startswith("collective="):
         _int_field("collective", at.split("=", 1)[1], spec, 0)
+    elif at in RECOVERY_POINTS:
+        if kind in ("raise", "migrate"):
+            raise FaultSpecError(f"a {kind} cannot be injected into a recovery's {at} phase, "
+                                 f"in {spec!r}")  # fmt: skip
     elif at not in POINTS:
         raise FaultSpecError(
-            f"unknown point at={at!r} in {spec!r} (expected {', '.join(POINTS)} or collective=K)"
+            f"unknown point at={at!r} in {spec!r} (expected {', '.join(POINTS)}, collective=K "
+            f"or a recovery's phase: {', '.join(RECOVERY_POINTS)})"
         )
     code = 1
     if "code" in fields:

@@ -38,6 +38,7 @@ from xmig.launch.check import CheckError, run_check
 from xmig.launch.doctor import run_doctor
 from xmig.launch.hosts import HostSetupError, check_can_simulate
 from xmig.launch.launcher import Launcher, LaunchError, find_job
+from xmig.paths import job_folder
 from xmig.wire import AuthError, Client, RemoteError, WireError, format_address, parse_address
 
 app = typer.Typer(
@@ -174,6 +175,22 @@ def run(
         Path | None,
         typer.Option(hidden=True, help="Write what every rank issues here (xmig check)."),
     ] = None,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Where a just-in-time checkpoint goes when a fault cannot be recovered "
+            "(default: the job's folder, ~/.xmig/jobs/JOB_ID).",
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Resume from a just-in-time checkpoint: the same script, arguments and "
+            "world layout as the job that wrote it.",
+        ),
+    ] = None,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -184,9 +201,10 @@ def run(
     if standalone and nodes > 1:
         raise click.UsageError(f"--standalone means one node; it cannot go with --nnodes {nnodes}")
     # the spec checks every number (JobSpecError); the faults come after the hosts' checks
+    job_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex()
     spec = _job_spec(
         JobSpec,
-        job_id=time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex(),
+        job_id=job_id,
         script=str(Path(script).resolve()),
         args=list(script_args or []),
         cwd=os.getcwd(),
@@ -206,6 +224,8 @@ def run(
         log_level=log_level.upper(),
         strict=strict,
         trace_dir=str(trace_dir.resolve()) if trace_dir is not None else None,
+        checkpoint_dir=str((checkpoint_dir or job_folder(job_id)).resolve()),
+        resume=str(resume.resolve()) if resume is not None else None,
     )
     if simulate_hosts:
         if master_addr != DEFAULT_MASTER_ADDR:
@@ -220,11 +240,32 @@ def run(
         raise click.UsageError(f"bad --inject: {exc}") from None
     spec = _job_spec(replace, spec, faults=[f.to_json() for f in faults])  # checks their nodes
     logs.setup(spec.log_level)
+    if spec.resume is not None:
+        _check_resume(spec)
     try:
-        code = Launcher(spec, summary).run()
+        code = Launcher(spec, summary, argv=_ARGV).run()
     except LaunchError as exc:
         raise click.UsageError(str(exc)) from None
     raise typer.Exit(code)
+
+
+def _check_resume(spec: JobSpec) -> None:
+    """Refuse, before anything starts, a checkpoint this run cannot resume from."""
+    from xmig.state.checkpoint import CheckpointError, check_resumable
+
+    assert spec.resume is not None
+
+    def progress(line: str) -> None:
+        print(f"xmig: {line}", file=sys.stderr, flush=True)
+
+    try:
+        manifest = check_resumable(Path(spec.resume), spec.world_size, spec.nnodes,
+                                   spec.nproc_per_node, spec.script_path, list(spec.args),
+                                   progress=progress)  # fmt: skip
+    except CheckpointError as exc:
+        raise click.UsageError(f"cannot resume: {exc}") from None
+    progress(f"resuming from {spec.resume}: step {manifest.step} of job {manifest.job_id}, "
+             f"{len(manifest.shards)} shard(s)")  # fmt: skip
 
 
 def _job_spec(make: Callable[..., JobSpec], *args: Any, **fields: Any) -> JobSpec:
@@ -412,8 +453,14 @@ _EXITS: tuple[type[Exception], ...] = (click.exceptions.Exit, typer.Exit)
 _ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
 
 
+# the command line as given (``xmig run`` prints the command that resumes a checkpoint)
+_ARGV: list[str] = []
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: errors in what the user typed are one line and exit code 2."""
+    global _ARGV
+    _ARGV = list(sys.argv[1:] if argv is None else argv)
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="xmig", standalone_mode=False)

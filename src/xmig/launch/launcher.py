@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from xmig.coord.checkpoint import seal_saved_states
 from xmig.coord.migration import job_images
 from xmig.jobenv import JOB_ID, TOKEN
 from xmig.jobspec import JobSpec
@@ -30,6 +32,7 @@ from xmig.wire import Client, WireError, parse_address
 
 COORDINATOR_START_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 15.0
+SAVE_SLACK_S = 10.0  # beyond the ranks' time to save, for the agents to stop them and end
 # create_time() adds the boot time, which the kernel derives from the wall clock: a clock
 # step moves it, by a second or so under NTP, so a start time matches within this
 START_TIME_TOLERANCE_S = 1.0
@@ -139,12 +142,38 @@ def _read_ready_line(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
     return json.loads(buf.split(b"\n", 1)[0])
 
 
+def resume_command(argv: list[str] | None, spec: JobSpec, path: str) -> str:
+    """The command that resumes the job from the checkpoint at ``path``: the same command
+    line (``argv``: ``xmig``'s arguments, ``run`` first), without its faults to inject or the
+    checkpoint it resumed from, with ``--resume PATH``."""
+    if not argv or argv[0] != "run":
+        options = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}"]
+        return shlex.join(["xmig", "run", "--resume", path, *options, spec.script, *spec.args])
+    # what follows the script is the script's own
+    head = argv[1 : len(argv) - len(spec.args) - 1]
+    script = argv[len(argv) - len(spec.args) - 1]
+    kept: list[str] = []
+    skip = False
+    for word in head:
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in ("--inject", "--resume"):
+            skip = "=" not in word
+            continue
+        kept.append(word)
+    return shlex.join(["xmig", "run", "--resume", path, *kept, script, *spec.args])
+
+
 class Launcher:
     """Runs one job to its outcome; owns the coordinator and agent processes."""
 
-    def __init__(self, spec: JobSpec, summary_path: Path | None) -> None:
+    def __init__(self, spec: JobSpec, summary_path: Path | None,
+                 argv: list[str] | None = None) -> None:  # fmt: skip
         self.spec = spec
         self.summary_path = summary_path
+        self.argv = argv  # ``xmig``'s own arguments, for the command that resumes the job
         self.token = secrets.token_hex(32)
         self.coordinator: subprocess.Popen | None = None
         self.agents: list[subprocess.Popen] = []
@@ -299,14 +328,7 @@ class Launcher:
             self._result_ready.wait()
             summary = self._result
             if summary is None:
-                code = self.coordinator.wait() if self.coordinator else None
-                print(
-                    f"xmig: the coordinator died (exit {code}) before the job ended; "
-                    "stopping everything",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
+                summary = self._coordinator_lost()
             code = int(summary["exit_code"])
             if self._interrupted and summary["status"] != "completed":
                 code = 130
@@ -319,6 +341,39 @@ class Launcher:
             self._shutdown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _coordinator_lost(self) -> dict[str, Any]:
+        """The coordinator died before the job had an outcome: every agent has its ranks save
+        their own state and stop; once the agents are gone, what was saved becomes one
+        checkpoint, and the summary is the launcher's own."""
+        lost = time.monotonic()
+        code = self.coordinator.wait() if self.coordinator else None
+        print(f"xmig: the coordinator died (exit {code}) before the job ended; the ranks save "
+              "their state and stop", file=sys.stderr, flush=True)  # fmt: skip
+        deadline = lost + self.spec.recovery_timeout + self.spec.stop_grace + SAVE_SLACK_S
+        for proc in self.agents:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stop_process(proc, grace=1.0)  # its workers die with it
+        saved = seal_saved_states(self.spec, "the coordinator was lost", time.time())
+        stopped = time.monotonic() - lost
+        message = "failed: the coordinator was lost"
+        if saved.get("path"):
+            message += f"; just-in-time checkpoint of step {saved['step']} in {saved['path']}"
+        else:
+            message += f"; nothing saved: {saved['why']}"
+        return {
+            "job_id": self.spec.job_id, "status": "failed", "exit_code": 1, "message": message,
+            "coordinator": "lost", "jit_checkpoint": saved, "world_size": self.spec.world_size,
+            "nnodes": self.spec.nnodes, "nproc_per_node": self.spec.nproc_per_node,
+            "steps": saved.get("step"), "final_params_sha256": None, "faults": [],
+            "recoveries": [], "migrations": [], "unfired_faults": [], "worker_pids": {},
+            "coordinator_pid": self.coordinator.pid if self.coordinator else None,
+            "agent_pids": {str(n): p.pid for n, p in enumerate(self.agents)},
+            "resumed_from": self.spec.resume, "stop_s": round(stopped, 4),
+            "duration_s": None,
+        }  # fmt: skip
 
     def _report(self, summary: dict[str, Any]) -> None:
         if self.summary_path is not None:
@@ -348,12 +403,18 @@ class Launcher:
             )
         else:
             print(f"{head} FAILED: {summary['message'].removeprefix('failed: ')}", file=sys.stderr)
+            done = f"{summary['steps']} steps completed" if summary["steps"] is not None else ""
             print(
                 f"xmig: all workers stopped {summary['stop_s']:.2f} s after the decision; "
-                f"{summary['steps']} steps completed; exit code {summary['exit_code']}",
+                f"{done + '; ' if done else ''}exit code {summary['exit_code']}",
                 file=sys.stderr,
                 flush=True,
             )
+        saved = summary.get("jit_checkpoint") or {}
+        if saved.get("path") and saved.get("complete"):
+            command = resume_command(self.argv, self.spec, saved["path"])
+            summary["resume_command"] = command
+            print(f"xmig: resume with: {command}", file=sys.stderr, flush=True)
         if summary["status"] == "completed" and summary.get("unfired_faults"):
             # a chaos run whose faults never happened tested nothing
             print(

@@ -15,7 +15,7 @@ import ctypes
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         # are not logged (DDP's layout broadcasts when their root died)
         self.local_filter: Callable[[OpRecord], bool] | None = None
         self._expected: dict[int, list[str]] = {}  # step -> signatures a replacement must match
+        # a replacement's: told of an op its survivors did not log, before it is refused
+        self.on_mismatch: Callable[[str], None] | None = None
         self._overrides: dict[tuple[int, int], torch.Tensor] = {}
         self._served: deque[torch.Tensor] = deque()  # payloads for locally served broadcasts
         # (step, index) -> the result the op had on the survivors before the fault
@@ -216,10 +218,11 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 injected = exc
         expected = self._expected.get(self.step) if self.step is not None else None
         if expected is not None and index < len(expected) and expected[index] != record.signature:
-            raise ReplayMismatch(
-                f"op {index} of step {self.step} is {record.signature}, but the survivors "
-                f"logged {expected[index]}; refusing to issue it"
-            )
+            why = (f"op {index} of step {self.step} is {record.signature}, but the survivors "
+                   f"logged {expected[index]}")  # fmt: skip
+            if self.on_mismatch is not None:
+                self.on_mismatch(why)
+            raise ReplayMismatch(f"{why}; refusing to issue it")
         override = self._overrides.pop((self.step, index), None) if self.step is not None else None
         if override is not None:
             with torch.no_grad():
@@ -350,6 +353,18 @@ class ProxyProcessGroup(dist.ProcessGroup):
         layout, as the peers took it)."""
         with self._cv:
             self._served.extend(payloads)
+
+    @contextlib.contextmanager
+    def locally(self) -> Iterator[None]:
+        """Every op issued meanwhile is served without the network (a fresh DDP taking a
+        layout every rank already holds)."""
+        with self._cv:
+            mode, self.mode = self.mode, "local"
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.mode = mode
 
     def override_broadcast(self, step: int, index: int, payload: torch.Tensor) -> None:
         """Op ``index`` of ``step`` (a broadcast) goes out with ``payload`` as its input."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-MODES = ("replay", "rollback")
+MODES = ("replay", "rollback", "resume")  # resume: from a checkpoint on disk
 
 
 class PayloadError(ValueError):
@@ -41,7 +41,7 @@ class ReplacementPayload:
     """The state of the step a recovery resumes at, and how to resume it."""
 
     step: int
-    mode: str  # replay or rollback
+    mode: str  # replay, rollback or resume
     first_step: int | None
     state: dict[str, Any]  # registered name -> its state_dict()
     ddp: DdpPayload = field(default_factory=DdpPayload)

@@ -118,6 +118,22 @@ def pack(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL), tensors
 
 
+def unpack(meta: bytes, tensors: list[torch.Tensor]) -> Any:
+    """The state ``pack`` split, from its structure and its tensors (in order). The structure
+    is read with a restricted unpickler: it builds nothing but plain containers."""
+    structure = _RestrictedUnpickler(io.BytesIO(meta)).load()
+    if len(structure["tensors"]) != len(tensors):
+        raise pickle.UnpicklingError(
+            f"the structure names {len(structure['tensors'])} tensors, {len(tensors)} given"
+        )
+    return _fill(structure["structure"], tensors)
+
+
+def tensor_specs(meta: bytes) -> list[tuple[str, tuple[int, ...], str]]:
+    """Each tensor's (dtype name, shape, device type), as ``pack`` recorded them."""
+    return list(_RestrictedUnpickler(io.BytesIO(meta)).load()["tensors"])
+
+
 Spec = tuple[str, tuple[int, ...], str]  # dtype name, shape, device type
 
 

@@ -104,9 +104,13 @@ class DdpLayout:
         if ddp is None:
             return
         if payload.layout is not None:
-            self.proxy.serve_broadcasts(payload.layout)
-            if not ddp_state.rebuild_now(ddp):
-                raise RecoveryFailed("DDP refused to take its peers' bucket layout")
+            proxy = self.proxy
+            proxy.serve_broadcasts(payload.layout)
+            # served here whatever the proxy's mode: every rank of a job resumed from a
+            # checkpoint takes the layout at once (a replacement's proxy serves it anyway)
+            with proxy.locally():
+                if not ddp_state.rebuild_now(ddp):
+                    raise RecoveryFailed("DDP refused to take its peers' bucket layout")
             self.layout = payload.layout
         elif step > (first_step or 0):
             ddp_state.prepare_rebuild(ddp)  # its peers rebuild in this very step

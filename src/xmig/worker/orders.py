@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Any], None]
 
 
+class Superseded(RecoveryFailed):
+    """A later park came while this rank waited for the plan of an earlier one."""
+
+
 class Inbox:
     """Orders handed by the consumer to one waiting thread."""
 
@@ -45,7 +49,8 @@ class Inbox:
 
     def next(self, generation: int, timeout: float) -> Any | None:
         """The next order of ``generation`` (None after ``timeout`` seconds). An ``Abort``
-        raises RecoveryFailed; an order of another generation is stale and dropped."""
+        raises RecoveryFailed, and so does the ``Park`` of a later generation (the
+        coordinator gave this one up); an order of another generation is stale and dropped."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -54,6 +59,13 @@ class Inbox:
                 return None
             if isinstance(order, protocol.Abort):
                 raise RecoveryFailed(order.reason)
+            if isinstance(order, protocol.SaveState):
+                raise Superseded("the coordinator was lost")
+            if isinstance(order, protocol.Park):
+                if order.generation > generation:
+                    raise Superseded(f"generation {generation} was given up for "
+                                     f"{order.generation}")  # fmt: skip
+                continue  # the park that started this wait
             if getattr(order, "generation", None) == generation:
                 return order
             logger.debug("%s: dropped a stale %s", self.name, type(order).__name__)
@@ -62,24 +74,28 @@ class Inbox:
 class Orders:
     """Takes every order from the link and dispatches it by its type, one at a time."""
 
-    def __init__(self, rank: int, on_park: Handler, on_pause: Handler) -> None:
+    def __init__(self, rank: int, on_park: Handler, on_pause: Handler,
+                 on_save: Handler | None = None) -> None:  # fmt: skip
         self.rank = rank
         self.plans = Inbox("recovery")  # a survivor's Rebuild (or Abort), after its Park
         self.boundary = Inbox("boundary")  # a step loop paused at a boundary: Dump, Resume
         self.digests = Inbox("digests")  # what the peer serving this rank's state sent
         self.released = threading.Event()  # every rank has finished: a finished one may go
         self._on_park = on_park
+        self._on_save = on_save
         self._lock = threading.Lock()
         self._early: list[protocol.Message] | None = []  # None once started
         self.table: Mapping[type[protocol.Message], Handler] = {
             protocol.Park: self._park,
             protocol.Rebuild: self.plans.hand,
+            protocol.WriteCheckpoint: self.plans.hand,
             protocol.Abort: self._abort,
             protocol.Pause: on_pause,
             protocol.Dump: self.boundary.hand,
             protocol.Resume: self.boundary.hand,
             protocol.Release: lambda _order: self.released.set(),
             protocol.StateAnnounced: self._announced,
+            protocol.SaveState: self._save,
         }
 
     def start(self) -> None:
@@ -112,9 +128,24 @@ class Orders:
             logger.exception("rank %d: handling the order %r failed", self.rank, order.OP)
 
     def _park(self, order: protocol.Park) -> None:
-        # what came before the Park belonged to no recovery of this rank's
+        if self.rank in order.replaced:
+            # a process the coordinator no longer counts on (a replacement of a recovery
+            # given up): it has no state to save, and the job's stop ends it
+            logger.info("rank %d: not parking for generation %d, which replaces this rank",
+                        self.rank, order.generation)  # fmt: skip
+            return
+        # what came before the Park belonged to no recovery of this rank's; a recovery
+        # still waiting for its plan learns that it was given up
         self.plans.clear()
+        self.plans.hand(order)
         self._on_park(order)
+
+    def _save(self, order: protocol.SaveState) -> None:
+        # a recovery waiting for its plan will get none: it stops waiting, and the state is
+        # saved from where it parked
+        self.plans.hand(order)
+        if self._on_save is not None:
+            self._on_save(order)
 
     def _abort(self, order: protocol.Abort) -> None:
         self.plans.hand(order)

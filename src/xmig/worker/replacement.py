@@ -1,11 +1,15 @@
 """A replacement's join: receive the state while the script builds its model, check its
-digest, load it, match DDP's layout, and start at the survivors' step."""
+digest, load it, match DDP's layout, and start at the survivors' step. A rank of a job resumed
+from a just-in-time checkpoint joins the same way, its state read from its shard on disk."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,16 +17,26 @@ import torch
 from xmig import protocol
 from xmig.state import PayloadError, ReplacementPayload
 from xmig.state.payload import result_key
+from xmig.wire import WireError
 from xmig.worker import pull
 from xmig.worker.context import WorkerContext
-from xmig.worker.errors import RecoveryFailed
+from xmig.worker.errors import RecoveryFailed, exit_now
 from xmig.worker.layout import DdpLayout
 from xmig.worker.verify import Verifier
 
+logger = logging.getLogger(__name__)
+
+EXIT_REFUSED = 3  # a replacement that refused to replay: its end is expected
+
 
 class Replacement:
-    def __init__(self, ctx: WorkerContext, layout: DdpLayout, verifier: Verifier) -> None:
+    """``checkpoint``: the folder of the checkpoint this rank resumes from (None: a
+    replacement, which pulls its state from a peer)."""
+
+    def __init__(self, ctx: WorkerContext, layout: DdpLayout, verifier: Verifier,
+                 checkpoint: Path | None = None) -> None:  # fmt: skip
         self._ctx = ctx
+        self._checkpoint = checkpoint
         self._layout = layout
         self._verifier = verifier
         # (what was received, its stats), or (the exception, None)
@@ -45,9 +59,49 @@ class Replacement:
                 # a stream of its own, so that the script's kernels on the default stream
                 # (building the model) and the transfer do not wait for each other
                 stream = torch.cuda.Stream(ctx.device)
+            if self._checkpoint is not None:
+                self._incoming.put((self._read_checkpoint(self._checkpoint), None))
+                return
             self._incoming.put(pull.receive(ctx, ctx.env.generation, stream))
         except BaseException as exc:  # handed to the step loop, which reports it
             self._incoming.put((exc, None))
+
+    def _check_resumed_layout(self, payload: ReplacementPayload) -> None:
+        """A checkpoint of DDP's rebuild step taken before its layout went out holds no
+        layout: every resumed rank's DDP then builds rank 0's own, which need not be the
+        fault-free run's (its gradient order of the first step): said, never silent."""
+        ctx = self._ctx
+        ddp = payload.ddp
+        rebuild_step = (payload.first_step or 0) + 1
+        if ctx.registry.ddp is None or ddp.layout is not None or ddp.in_step is not None:
+            return
+        if payload.step != rebuild_step or ctx.rank != 0:
+            return
+        why = (f"the checkpoint is of step {payload.step}, in which DDP rebuilds its buckets, "
+               "taken before their layout was sent: the resumed run's layout is rank 0's "
+               "parameter order, which with 3 ranks or more can change the last bits")  # fmt: skip
+        logger.warning("%s", why)
+        ctx.send(protocol.NotBitIdentical(generation=ctx.env.generation, why=why, t=time.time()))
+
+    def refuse(self, why: str) -> None:
+        """One of this rank's ops is not what its survivors logged (a proxy's
+        ``on_mismatch``): the coordinator hears it and rolls the step back instead, with a new
+        replacement; this one ends, which also lets go the survivors' replay of the op."""
+        ctx = self._ctx
+        logger.warning("rank %d: cannot replay: %s", ctx.rank, why)
+        if ctx.link is not None:
+            with contextlib.suppress(WireError, TimeoutError):
+                ctx.link.ask(protocol.ReplayMismatched(generation=ctx.env.generation, why=why,
+                                                       t=time.time()), timeout=10.0)  # fmt: skip
+        exit_now(EXIT_REFUSED)
+
+    def _read_checkpoint(self, folder: Path) -> Any:
+        """This rank's shard of the checkpoint (the launcher checked every file's SHA-256
+        before the job started)."""
+        from xmig.state.checkpoint import read_manifest, read_shard
+
+        manifest = read_manifest(folder)
+        return read_shard(folder / manifest.shard_of(self._ctx.rank).file, self._ctx.device)
 
     def payload(self) -> ReplacementPayload:
         """The state pulled from a peer, checked (waiting for it the first time): the step
@@ -63,8 +117,10 @@ class Replacement:
             except queue.Empty:
                 raise RecoveryFailed(f"no state from a peer within {timeout:.0f} s") from None
             if isinstance(incoming, BaseException):
-                raise RecoveryFailed(f"receiving the state failed: {incoming}") from incoming
-            pull.check_digest(ctx, ctx.env.generation, stats.digest)
+                where = "reading the checkpoint" if self._checkpoint else "receiving the state"
+                raise RecoveryFailed(f"{where} failed: {incoming}") from incoming
+            if self._checkpoint is None:
+                pull.check_digest(ctx, ctx.env.generation, stats.digest)
             self._waited = time.monotonic() - started
             try:
                 payload = ReplacementPayload.from_wire(incoming)
@@ -88,7 +144,6 @@ class Replacement:
         started = time.monotonic()
         payload = self.payload()
         stats, waited = self._stats, self._waited
-        assert stats is not None
         ctx.load_state(payload.state)
         ctx.registry.resume_streams(payload.state, payload.step, fresh=True)
         if ctx.backend == "nccl":
@@ -98,6 +153,10 @@ class Replacement:
             torch.cuda.empty_cache()
         ctx.first_step = payload.first_step
         self._layout.adopt(payload.ddp, payload.step, payload.first_step)
+        if self._checkpoint is not None:  # every rank starts here: no peer to catch up with
+            self._check_resumed_layout(payload)
+            return payload.step
+        assert stats is not None
         groups = ctx.groups.all()
         known = {g.name for g in groups}
         for name, signatures in (payload.signatures or {}).items():

@@ -1,27 +1,36 @@
 """A survivor's part in the recovery of a failed peer: park, report where it stands, finish
 DDP's layout locally when rank 0 is replaced, rebuild the communicator, serve or receive the
-state, then replay the step or roll it back."""
+state, then replay the step or roll it back; or, when the fault cannot be recovered, write
+its shard of a just-in-time checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from xmig import protocol
 from xmig.bitwise import replay_divergence
 from xmig.proxy import ProxyProcessGroup, ReplayCheck, ReplayDiverged, replay_groups
-from xmig.state import ReplacementPayload
+from xmig.state import ReplacementPayload, checkpoint
 from xmig.state import ddp as ddp_state
+from xmig.wire import WireError
 from xmig.worker import pull
 from xmig.worker.context import STATE_LOCK_TIMEOUT_S, WorkerContext
 from xmig.worker.errors import RecoveryFailed
 from xmig.worker.groups import WORLD, Group
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.layout import DdpLayout
+from xmig.worker.orders import Superseded
 from xmig.worker.phase import WorkerPhase
 from xmig.worker.verify import Verifier
+
+logger = logging.getLogger(__name__)
 
 
 class Survivor:
@@ -32,18 +41,44 @@ class Survivor:
         self._layout = layout
         self._verifier = verifier
         self._gate = gate
-        self._parks: queue.SimpleQueue[protocol.Park] = queue.SimpleQueue()
+        # parks (and a save when the coordinator is lost), taken in turn
+        self._parks: queue.SimpleQueue[protocol.Park | protocol.SaveState] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # a rollback: the step to go on from at the next boundary, and the state pulled for it
         self._redo_from: int | None = None
         self._stash: dict[str, Any] | None = None
         self._rolled_back: list[Group] = []  # the groups a rollback serves locally
+        # parked and holding the state lock since a recovery that did not finish: the state
+        # stays as it was (a checkpoint may still save it) until the next park; the phase
+        # to go back to
+        self._held: WorkerPhase | None = None
+        self._busy = False  # a recovery is under way on the recovery thread
 
     def on_park(self, park: protocol.Park) -> None:
         """From the order consumer: recoveries run in turn on a thread of their own, which
-        waits for the plan the consumer hands on."""
+        waits for the plan the consumer hands on. A recovery still under way was given up:
+        its collectives (a replay waiting for a peer that is gone) are let go."""
         self._ctx.recoveries_started += 1
+        self._let_go()
         self._parks.put(park)
+        self._start()
+
+    def on_save(self, order: protocol.SaveState) -> None:
+        """From the order consumer: the coordinator is lost; the state is saved on the
+        recovery thread (a recovery under way there is given up first)."""
+        self._let_go()
+        self._parks.put(order)
+        self._start()
+
+    def _let_go(self) -> None:
+        """A recovery under way is being given up: the collectives of the groups it was
+        rebuilding are let go (NCCL: aborted, the op returns; gloo: its peer's end does it)."""
+        if self._busy:
+            for group in self._ctx.groups.all():
+                if group.proxy.halted:
+                    group.proxy.abort_communicator()
+
+    def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="xmig-recovery", daemon=True)
             self._thread.start()
@@ -51,19 +86,40 @@ class Survivor:
     def _run(self) -> None:
         while True:
             park = self._parks.get()
+            if isinstance(park, protocol.SaveState):
+                self._save_own(park)
+                continue
+            self._busy = True
             try:
                 self.recover(park)
+            except Superseded as exc:
+                logger.info("rank %d: %s", self._ctx.rank, exc)
             except Exception as exc:
-                self._ctx.die(f"recovery failed: {type(exc).__name__}: {exc}")
+                # the coordinator hears why and gives the recovery up; this rank stays
+                # parked with its state, which a just-in-time checkpoint still needs (the
+                # job's stop ends it)
+                text = f"recovery failed: {type(exc).__name__}: {exc}"
+                logger.error("rank %d: %s", self._ctx.rank, text)
+                self._ctx.send(protocol.RecoveryFailed(error=text, generation=park.generation,
+                                                       t=time.time()))  # fmt: skip
+            finally:
+                self._busy = False
 
     def recover(self, park: protocol.Park) -> None:
+        """Park for ``park``'s generation, then carry out its plan: a recovery, or a
+        checkpoint. A recovery that does not finish leaves this rank parked with the state
+        lock held (``_held``), its state as it was."""
         ctx = self._ctx
         generation = park.generation
         started = time.monotonic()
-        if not ctx.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
-            raise RecoveryFailed("the framework held the state lock too long")
-        try:
+        if self._held is None:
+            if not ctx.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
+                raise RecoveryFailed("the framework held the state lock too long")
             was = ctx.phase.move(WorkerPhase.PARKED)
+        else:
+            was, self._held = self._held, None
+        try:
+            ctx.injector.at_phase(ctx.step, "park")
             # the groups that hold a replaced rank are rebuilt (all of them after a
             # communication error, whose group only the failing rank knows); the others'
             # ops go on meanwhile
@@ -79,6 +135,10 @@ class Survivor:
             plan = ctx.orders.plans.next(generation, ctx.env.recovery_timeout)
             if plan is None:
                 raise RecoveryFailed(f"no rebuild order within {ctx.env.recovery_timeout:.0f} s")
+            if isinstance(plan, protocol.WriteCheckpoint):
+                self._write_checkpoint(plan)
+                self._held = was  # parked for good: the job stops once it is sealed
+                return
             if plan.mode == "rollback":
                 # every rank serves the rest of its step locally and redoes a step from its
                 # start: no group may keep an op in flight that a peer will not issue
@@ -93,17 +153,20 @@ class Survivor:
             check_after = plan.check_after if plan.check_after is not None else plan.step
             self._verifier.expect(generation, check_after)
             parked = time.monotonic()
+            ctx.injector.at_phase(ctx.step, "rebuild")
             communicators = [
                 ctx.comms.communicator(g.name, generation, g.proxy.communicator.rank,
                                        g.proxy.communicator.size)
                 for g in rebuilt
             ]  # fmt: skip
             built = time.monotonic()
+            ctx.injector.at_phase(ctx.step, "pull")
             report = self._serve_or_receive(plan)  # includes waiting for the receiver
             pulled = time.monotonic()
             for group, communicator in zip(rebuilt, communicators, strict=True):
                 group.proxy.switch(communicator)
             check = None
+            ctx.injector.at_phase(ctx.step, "replay")
             if plan.mode == "replay":
                 check = self._replay(plan, [g.proxy for g in rebuilt])
                 for group in rebuilt:
@@ -111,8 +174,10 @@ class Survivor:
             else:
                 self.roll_back(plan.step, rebuilt)
             ctx.phase.move(was)
-        finally:
-            ctx.state_lock.release()
+        except BaseException:
+            self._held = was
+            raise
+        ctx.state_lock.release()
         phases = {"park": parked - started, "rebuild": built - parked,
                   "pull": pulled - built, "replay": check.seconds if check else 0.0}  # fmt: skip
         ctx.send(protocol.Recovered(generation=generation, role="survivor", phases=phases,
@@ -123,6 +188,73 @@ class Survivor:
                                     t=time.time()))  # fmt: skip
         if ctx.finished:  # a finished rank that served a peer: its state is the end's
             self._verifier.at_boundary(ctx.total if ctx.total is not None else plan.step)
+
+    def _write_checkpoint(self, order: protocol.WriteCheckpoint) -> None:
+        """Write this rank's shard of a just-in-time checkpoint, if it is a writer: its state
+        as of the start of the step it is parked in, as a replacement would have pulled it."""
+        ctx = self._ctx
+        shard = order.shard_of(ctx.rank)
+        if shard is None:
+            return
+        ctx.injector.at_phase(ctx.step, "checkpoint")
+        written: dict[str, Any] = {"file": "", "bytes": 0, "sha256": "", "seconds": 0.0}
+        error = None
+        try:
+            if ctx.state_step != order.step:
+                raise RecoveryFailed(f"this rank's state is of step {ctx.state_step}, not "
+                                     f"{order.step}")  # fmt: skip
+            written = checkpoint.write_shard(Path(order.folder), shard, self._saved(order.step))
+        except Exception as exc:  # the coordinator says why no checkpoint was written
+            error = f"{type(exc).__name__}: {exc}"
+            logger.error("rank %d: writing shard %d failed: %s", ctx.rank, shard, error)
+        ctx.send(protocol.CheckpointWritten(
+            generation=order.generation, shard=shard, file=written["file"],
+            bytes=written["bytes"], sha256=written["sha256"], seconds=written["seconds"],
+            objects=sorted(ctx.registry.objects), first_step=ctx.first_step, error=error,
+            t=time.time(),
+        ))  # fmt: skip
+
+    def _saved(self, step: int) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank: what a replacement resuming at ``step``
+        would have pulled from it."""
+        ctx = self._ctx
+        payload = ReplacementPayload(step=step, mode="resume", first_step=ctx.first_step,
+                                     state=ctx.state_dict(),
+                                     ddp=self._layout.outgoing(step, False))  # fmt: skip
+        return payload.to_wire()
+
+    def _save_own(self, order: protocol.SaveState) -> None:
+        """The coordinator is lost: park (if not parked already) and write this rank's own
+        state, as of the start of the step it is in, with what the launcher needs to pick
+        one copy per set of replicas; the agent stops this rank afterwards."""
+        ctx = self._ctx
+        file, step, error = None, None, None
+        try:
+            if self._held is None:
+                if not ctx.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
+                    raise RecoveryFailed("the framework held the state lock too long")
+                try:
+                    self._held = ctx.phase.move(WorkerPhase.PARKED)
+                except Exception:
+                    ctx.state_lock.release()
+                    raise
+            step = ctx.state_step
+            if step is None:
+                raise RecoveryFailed("this rank has not reached its step loop")
+            extra = {"rank": str(ctx.rank), "step": str(step),
+                     "first_step": json.dumps(ctx.first_step),
+                     "replicas": json.dumps(ctx.replicas()),
+                     "objects": json.dumps(sorted(ctx.registry.objects))}  # fmt: skip
+            name = checkpoint.rank_file(ctx.rank)
+            written = checkpoint.write_shard(Path(order.folder), ctx.rank, self._saved(step),
+                                             name=name, extra=extra)  # fmt: skip
+            file = written["file"]
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            logger.error("rank %d: saving its state failed: %s", ctx.rank, error)
+        if ctx.link is not None:
+            with contextlib.suppress(WireError, TimeoutError):
+                ctx.link.ask(protocol.StateSaved(file=file, step=step, error=error), timeout=10.0)
 
     def _replay(self, plan: protocol.Rebuild, proxies: list[ProxyProcessGroup]) -> ReplayCheck:
         """Re-issue the logged step of the rebuilt groups; with ``--strict`` a result that
