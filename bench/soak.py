@@ -225,7 +225,9 @@ class Soak:
         summary, output, seconds = xmig_run(
             self.work, f"case-{self.count}", [*layout, *FAST, *injected, *JOB]
         )
-        return self.judge(name, layout, JOB, summary, output, seconds)
+        outcome = self.judge(name, layout, JOB, summary, output, seconds)
+        outcome.detail["faults"] = len(faults)
+        return outcome
 
     # ---- xmig's own processes -----------------------------------------------------------
     def process_case(self, what: str) -> Outcome:
@@ -427,7 +429,7 @@ def report(
         *[f"| {kind} | {n} |" for kind, n in sorted(kinds.items())],
         "",
         f"Fault matrix: {len(matrix)} random jobs (seed {args.seed}), "
-        f"{sum(len(o.case.split('--inject')) for o in matrix)} faults drawn in all; "
+        f"{sum(o.detail.get('faults', 0) for o in matrix)} faults drawn in all; "
         f"{sum(o.recoveries for o in matrix)} recoveries. Median time a run: "
         f"{statistics.median(o.seconds for o in matrix):.1f} s."
         if matrix
