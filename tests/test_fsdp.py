@@ -40,6 +40,7 @@ def test_hsdp_runs_alike_twice_and_its_fingerprint_covers_both_shards(tmp_path, 
                  marks=pytest.mark.long),
     pytest.param("exit:rank=1:step=3:at=boundary", "unverifiable", marks=pytest.mark.long),
     pytest.param("kill:rank=0:step=2:at=forward", "unverifiable", marks=pytest.mark.long),
+    pytest.param("kill:rank=2:step=3:at=optimizer", "unverifiable", marks=pytest.mark.long),
 ])  # fmt: skip
 def test_a_rank_of_hsdp_is_replaced_from_its_replica(tmp_path, tmp_path_factory, fault, verified):
     expected = reference(tmp_path_factory)
@@ -75,6 +76,18 @@ def test_a_communication_error_in_a_collective_is_retried_in_place(
     assert all(len(pids) == 1 for pids in result.summary["worker_pids"].values())
 
 
+@pytest.mark.long
+def test_tp_by_dp_runs_alike_twice_and_its_fingerprint_covers_both_tp_shards(
+    tmp_path, tmp_path_factory
+):
+    expected = reference(tmp_path_factory, "tp-dp")
+    again = run(job(layout="tp-dp"), tmp_path)
+    assert again.returncode == 0, again.output
+    assert again.summary["final_params_sha256"] == expected
+    parts = again.summary["final_params_parts"]
+    assert sorted(parts) == ["0", "1"] and parts["0"] != parts["1"]
+
+
 def test_fsdp_without_a_replica_of_its_shards_is_refused_before_the_first_step(tmp_path):
     result = run(job(layout="fsdp"), tmp_path, timeout=120)
     assert result.returncode == 1, result.output
@@ -93,6 +106,8 @@ def test_fsdp_without_a_replica_of_its_shards_is_refused_before_the_first_step(t
                  marks=pytest.mark.long),
     pytest.param("kill:rank=0:step=4:at=collective=1", marks=pytest.mark.long),  # dp's
     pytest.param("exit:rank=3:step=2:at=boundary", marks=pytest.mark.long),
+    pytest.param("kill:rank=1:step=3:at=forward", marks=pytest.mark.long),
+    pytest.param("kill:rank=2:step=4:at=optimizer", marks=pytest.mark.long),
 ])  # fmt: skip
 def test_a_rank_of_tp_by_dp_is_replaced_from_its_data_parallel_peer(
     tmp_path, tmp_path_factory, fault
