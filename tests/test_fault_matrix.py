@@ -84,14 +84,16 @@ def check_outcome(ranks, faults, tmp_path, tmp_path_factory):
 
 
 @settings(
-    max_examples=EXAMPLES or 2,
+    max_examples=EXAMPLES or 1,
     derandomize=not EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(case=faulty_jobs())
 # besides the drawn ones: a second fault during the recovery, with and without a survivor
+# (at rebuild, the survivor is left waiting in a communicator's meeting for the dead rank)
 @example(case=(3, ["kill:rank=1:step=2:at=backward", "kill:rank=2:step=2:at=pull"]))
+@example(case=(3, ["kill:rank=0:step=5:at=boundary", "kill:rank=1:step=5:at=rebuild"]))
 @example(case=(2, ["exit:rank=0:step=3:at=forward", "kill:rank=1:step=3:at=replay"]))
 def test_every_fault_ends_bit_identical_or_in_a_clean_stop_that_resumes(case, tmp_path_factory):
     ranks, faults = case

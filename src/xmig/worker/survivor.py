@@ -41,143 +41,171 @@ class Survivor:
         self._layout = layout
         self._verifier = verifier
         self._gate = gate
-        # parks (and a save when the coordinator is lost), taken in turn
+        # parks (and a save when the coordinator is lost), taken in turn by the runner
         self._parks: queue.SimpleQueue[protocol.Park | protocol.SaveState] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._runner: threading.Thread | None = None
+        self._lock = threading.Lock()
         # a rollback: the step to go on from at the next boundary, and the state pulled for it
         self._redo_from: int | None = None
         self._stash: dict[str, Any] | None = None
         self._rolled_back: list[Group] = []  # the groups a rollback serves locally
-        # parked and holding the state lock since a recovery that did not finish: the state
-        # stays as it was (a checkpoint may still save it) until the next park; the phase
-        # to go back to
+        # while the survivor's threads hold the state lock (from the park to the end of a
+        # recovery; for good after one that did not finish, whose state a checkpoint may
+        # still save): the phase to go back to
         self._held: WorkerPhase | None = None
-        self._busy = False  # a recovery is under way on the recovery thread
+        # the recovery under way on the runner; a later park gives it up (its thread, maybe
+        # stuck in a collective or a communicator's meeting, touches nothing once it returns)
+        self._current: object | None = None
 
     def on_park(self, park: protocol.Park) -> None:
         """From the order consumer: recoveries run in turn on a thread of their own, which
-        waits for the plan the consumer hands on. A recovery still under way was given up:
-        its collectives (a replay waiting for a peer that is gone) are let go."""
+        waits for the plan the consumer hands on."""
         self._ctx.recoveries_started += 1
-        self._let_go()
-        self._parks.put(park)
-        self._start()
+        self._take(park)
 
     def on_save(self, order: protocol.SaveState) -> None:
         """From the order consumer: the coordinator is lost; the state is saved on the
-        recovery thread (a recovery under way there is given up first)."""
-        self._let_go()
-        self._parks.put(order)
-        self._start()
+        recovery thread."""
+        self._take(order)
 
-    def _let_go(self) -> None:
-        """A recovery under way is being given up: the collectives of the groups it was
-        rebuilding are let go (NCCL: aborted, the op returns; gloo: its peer's end does it)."""
-        if self._busy:
-            for group in self._ctx.groups.all():
-                if group.proxy.halted:
-                    group.proxy.abort_communicator()
+    def _take(self, order: protocol.Park | protocol.SaveState) -> None:
+        """Queue ``order`` for the runner. A recovery still under way was given up by the
+        coordinator: its collectives are let go (NCCL: aborted; gloo: its peer's end does it)
+        and, since its thread may be stuck where nothing can reach it (a communicator's
+        meeting with a peer that is gone), a new runner takes over; the state lock stays
+        the survivor's."""
+        with self._lock:
+            self._parks.put(order)
+            if self._current is not None:
+                self._current = None
+                for group in self._ctx.groups.all():
+                    if group.proxy.halted:
+                        group.proxy.abort_communicator()
+                self._runner = None
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run, name="xmig-recovery",
+                                                daemon=True)  # fmt: skip
+                self._runner.start()
 
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="xmig-recovery", daemon=True)
-            self._thread.start()
+    def _given_up(self, token: object) -> None:
+        """Raise Superseded if the recovery ``token`` stands for was given up meanwhile."""
+        if self._current is not token:
+            raise Superseded("this recovery was given up for a later park")
 
     def _run(self) -> None:
-        while True:
+        me = threading.current_thread()
+        while self._runner is me:
             park = self._parks.get()
+            if self._runner is not me:  # given up while waiting: the next runner takes it
+                self._parks.put(park)
+                return
             if isinstance(park, protocol.SaveState):
                 self._save_own(park)
                 continue
-            self._busy = True
+            token = object()
+            self._current = token
             try:
-                self.recover(park)
+                self.recover(park, token)
             except Superseded as exc:
                 logger.info("rank %d: %s", self._ctx.rank, exc)
             except Exception as exc:
                 # the coordinator hears why and gives the recovery up; this rank stays
                 # parked with its state, which a just-in-time checkpoint still needs (the
                 # job's stop ends it)
-                text = f"recovery failed: {type(exc).__name__}: {exc}"
-                logger.error("rank %d: %s", self._ctx.rank, text)
-                self._ctx.send(protocol.RecoveryFailed(error=text, generation=park.generation,
-                                                       t=time.time()))  # fmt: skip
+                if self._current is token:
+                    text = f"recovery failed: {type(exc).__name__}: {exc}"
+                    logger.error("rank %d: %s", self._ctx.rank, text)
+                    self._ctx.send(protocol.RecoveryFailed(
+                        error=text, generation=park.generation, t=time.time()))  # fmt: skip
             finally:
-                self._busy = False
+                with self._lock:
+                    if self._current is token:
+                        self._current = None
 
-    def recover(self, park: protocol.Park) -> None:
+    def recover(self, park: protocol.Park, token: object | None = None) -> None:
         """Park for ``park``'s generation, then carry out its plan: a recovery, or a
         checkpoint. A recovery that does not finish leaves this rank parked with the state
-        lock held (``_held``), its state as it was."""
+        lock held (``_held``), its state as it was. ``token``: this recovery's, which a
+        later park takes away (see ``_take``)."""
         ctx = self._ctx
         generation = park.generation
         started = time.monotonic()
         if self._held is None:
             if not ctx.state_lock.acquire(timeout=STATE_LOCK_TIMEOUT_S):
                 raise RecoveryFailed("the framework held the state lock too long")
-            was = ctx.phase.move(WorkerPhase.PARKED)
-        else:
-            was, self._held = self._held, None
-        try:
-            ctx.injector.at_phase(ctx.step, "park")
-            # the groups that hold a replaced rank are rebuilt (all of them after a
-            # communication error, whose group only the failing rank knows); the others'
-            # ops go on meanwhile
-            rebuilt = ctx.groups.holding(park.replaced) if park.replaced else ctx.groups.all()
-            kept = [g for g in ctx.groups.all() if g not in rebuilt]
-            for group in rebuilt:
+            self._held = ctx.phase.move(WorkerPhase.PARKED)
+        was = self._held
+
+        def still_mine() -> None:
+            if token is not None:
+                self._given_up(token)
+
+        # a failure anywhere below leaves this rank parked, the state lock held (``_held``)
+        ctx.injector.at_phase(ctx.step, "park")
+        # the groups that hold a replaced rank are rebuilt (all of them after a
+        # communication error, whose group only the failing rank knows); the others'
+        # ops go on meanwhile
+        rebuilt = ctx.groups.holding(park.replaced) if park.replaced else ctx.groups.all()
+        kept = [g for g in ctx.groups.all() if g not in rebuilt]
+        for group in rebuilt:
+            group.proxy.halt()
+            group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
+        if self._layout.root in park.replaced:
+            self._finish_layout_locally()
+        still_mine()
+        ctx.send(protocol.Parked(generation=generation, position=self.position(),
+                                 t=time.time()))  # fmt: skip
+        plan = ctx.orders.plans.next(generation, ctx.env.recovery_timeout)
+        if plan is None:
+            raise RecoveryFailed(f"no rebuild order within {ctx.env.recovery_timeout:.0f} s")
+        if isinstance(plan, protocol.WriteCheckpoint):
+            self._write_checkpoint(plan)
+            return  # parked for good: the job stops once it is sealed
+        if plan.mode == "rollback":
+            # every rank serves the rest of its step locally and redoes a step from its
+            # start: no group may keep an op in flight that a peer will not issue
+            for group in kept:
                 group.proxy.halt()
-                group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
-            if self._layout.root in park.replaced:
-                self._finish_layout_locally()
-            ctx.send(protocol.Parked(generation=generation, position=self.position(),
-                                     t=time.time()))  # fmt: skip
-            plan = ctx.orders.plans.next(generation, ctx.env.recovery_timeout)
-            if plan is None:
-                raise RecoveryFailed(f"no rebuild order within {ctx.env.recovery_timeout:.0f} s")
-            if isinstance(plan, protocol.WriteCheckpoint):
-                self._write_checkpoint(plan)
-                self._held = was  # parked for good: the job stops once it is sealed
-                return
-            if plan.mode == "rollback":
-                # every rank serves the rest of its step locally and redoes a step from its
-                # start: no group may keep an op in flight that a peer will not issue
-                for group in kept:
-                    group.proxy.halt()
-                    group.proxy.abort_communicator()
-                rebuilt, kept = rebuilt + kept, []
-            # before the step runs on (the training thread reaches the next boundary as soon
-            # as the replay is done)
-            # every rank reports at the same boundary, after the latest step any survivor is in
-            # (ranks of other groups may be a step ahead of the resume step)
-            check_after = plan.check_after if plan.check_after is not None else plan.step
-            self._verifier.expect(generation, check_after)
-            parked = time.monotonic()
-            ctx.injector.at_phase(ctx.step, "rebuild")
-            communicators = [
-                ctx.comms.communicator(g.name, generation, g.proxy.communicator.rank,
-                                       g.proxy.communicator.size)
-                for g in rebuilt
-            ]  # fmt: skip
-            built = time.monotonic()
-            ctx.injector.at_phase(ctx.step, "pull")
-            report = self._serve_or_receive(plan)  # includes waiting for the receiver
-            pulled = time.monotonic()
-            for group, communicator in zip(rebuilt, communicators, strict=True):
-                group.proxy.switch(communicator)
-            check = None
-            ctx.injector.at_phase(ctx.step, "replay")
-            if plan.mode == "replay":
-                check = self._replay(plan, [g.proxy for g in rebuilt])
-                for group in rebuilt:
-                    group.proxy.resume()
-            else:
-                self.roll_back(plan.step, rebuilt)
+                group.proxy.abort_communicator()
+            rebuilt, kept = rebuilt + kept, []
+        # before the step runs on (the training thread reaches the next boundary as soon
+        # as the replay is done)
+        # every rank reports at the same boundary, after the latest step any survivor is in
+        # (ranks of other groups may be a step ahead of the resume step)
+        check_after = plan.check_after if plan.check_after is not None else plan.step
+        self._verifier.expect(generation, check_after)
+        parked = time.monotonic()
+        ctx.injector.at_phase(ctx.step, "rebuild")
+        communicators = [
+            ctx.comms.communicator(g.name, generation, g.proxy.communicator.rank,
+                                   g.proxy.communicator.size)
+            for g in rebuilt
+        ]  # fmt: skip
+        built = time.monotonic()
+        still_mine()
+        ctx.injector.at_phase(ctx.step, "pull")
+        report = self._serve_or_receive(plan)  # includes waiting for the receiver
+        pulled = time.monotonic()
+        still_mine()
+        for group, communicator in zip(rebuilt, communicators, strict=True):
+            group.proxy.switch(communicator)
+        check = None
+        ctx.injector.at_phase(ctx.step, "replay")
+        if plan.mode == "replay":
+            check = self._replay(plan, [g.proxy for g in rebuilt])
+            still_mine()
+            for group in rebuilt:
+                group.proxy.resume()
+        else:
+            self.roll_back(plan.step, rebuilt)
+        with self._lock:
+            if token is not None and self._current is not token:
+                raise Superseded("this recovery was given up for a later park")
             ctx.phase.move(was)
-        except BaseException:
-            self._held = was
-            raise
-        ctx.state_lock.release()
+            self._held = None
+            ctx.state_lock.release()
+            if token is not None:
+                self._current = None  # done: a later park is a new recovery's
         phases = {"park": parked - started, "rebuild": built - parked,
                   "pull": pulled - built, "replay": check.seconds if check else 0.0}  # fmt: skip
         ctx.send(protocol.Recovered(generation=generation, role="survivor", phases=phases,
