@@ -130,6 +130,21 @@ def test_a_checkpoint_of_another_layout_or_script_arguments_is_refused(saved_che
         assert refused.returncode == 2 and refusal in refused.output, refused.output
 
 
+def test_a_checkpoint_of_ddps_rebuild_step_resumes_with_its_layout(tmp_path, tmp_path_factory):
+    """Rank 2 dies before its peers have DDP's bucket layout (step 1, where DDP rebuilds its
+    buckets from rank 0's gradient order; with 3 ranks another layout changes the last bits):
+    the writer finishes the rebuild with its own layout, and the resumed job takes it."""
+    three = ["--nproc-per-node", "3", *FAST]
+    expected = fault_free_sha256([*three, *DEMO_ARGS], tmp_path_factory)
+    result = run([*three, "--max-recoveries", "0", "--inject",
+                  "kill:rank=2:step=1:at=collective=0", *DEMO_ARGS], tmp_path)  # fmt: skip
+    folder, command = stopped_with_checkpoint(result, step=1)
+    resumed = resume(command, tmp_path)
+    assert resumed.returncode == 0, resumed.output
+    assert resumed.summary["final_params_sha256"] == expected
+    assert "warning" not in resumed.output
+
+
 @pytest.mark.long  # CI: the same in the fault matrix's examples (tests/test_fault_matrix.py)
 def test_a_second_kill_during_the_recovery_saves_the_last_survivor(tmp_path, tmp_path_factory):
     """Rank 1 dies; rank 2 dies as the recovery's pull begins: rank 0 still holds the state."""

@@ -75,7 +75,7 @@ def plan_checkpoint(positions: dict[int, Position], world_size: int) -> Checkpoi
                 held.setdefault(shard, {}).setdefault(step, []).append(rank)
     missing = sorted(set(shards) - set(held))
     if not held:
-        return CheckpointPlan(None, shards, {}, missing, "no rank that holds state is left")
+        return CheckpointPlan(None, shards, {}, missing, "no rank that holds the state is left")
     common = set.intersection(*(set(steps) for steps in held.values()))
     if not common:
         at = "; ".join(f"shard {k} at step {', '.join(map(str, sorted(s)))}"

@@ -228,6 +228,7 @@ class Survivor:
         written: dict[str, Any] = {"file": "", "bytes": 0, "sha256": "", "seconds": 0.0}
         error = None
         try:
+            self._finish_layout_locally()
             if ctx.state_step != order.step:
                 raise RecoveryFailed(f"this rank's state is of step {ctx.state_step}, not "
                                      f"{order.step}")  # fmt: skip
@@ -269,6 +270,7 @@ class Survivor:
             step = ctx.state_step
             if step is None:
                 raise RecoveryFailed("this rank has not reached its step loop")
+            self._finish_layout_locally()
             extra = {"rank": str(ctx.rank), "step": str(step),
                      "first_step": json.dumps(ctx.first_step),
                      "replicas": json.dumps(ctx.replicas()),
@@ -323,10 +325,11 @@ class Survivor:
 
     def _finish_layout_locally(self) -> None:
         """Rank 0, the root of DDP's layout broadcasts, is being replaced while this rank's
-        DDP rebuilds its buckets: it finishes the rebuild with its own layout, served without
-        the network, the step running on (the state lock let go) until DDP has taken it. The
-        replacement takes the same layout; the coordinator checks that every survivor's is
-        the same and whether any saw rank 0's."""
+        DDP rebuilds its buckets (or this rank writes a checkpoint of that step): it finishes
+        the rebuild with its own layout, served without the network, the step running on
+        (the state lock let go) until DDP has taken it. The replacement (or the resumed job)
+        takes the same layout; the coordinator checks that every survivor's is the same and
+        whether any saw rank 0's."""
         ctx, proxy = self._ctx, self._layout.proxy
         ddp = ctx.registry.ddp
         if ddp is None or self._layout.layout is not None or not ddp_state.rebuilds(ddp):
