@@ -74,6 +74,7 @@ def test_two_nodes_match_one_node(tmp_path):
     assert two["final_params_sha256"] == one["final_params_sha256"]
 
 
+@pytest.mark.long  # the benchmarks' torchrun baseline, not xmig's own path
 def test_checkpoint_restart_baseline_resumes_bit_identically(tmp_path):
     """The benchmarks' baseline (torchrun restarting every worker, reloading the last
     checkpoint) must train the same parameters, or comparing with it would mean nothing."""
