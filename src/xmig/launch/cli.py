@@ -108,7 +108,8 @@ def run(
         typer.Option(
             help="Inject a fault: KIND:rank=R:step=S[:at=forward|backward|optimizer|boundary"
             "|collective=K], KIND one of kill, exit, raise, hang, node (the rank's whole node "
-            "is lost). Repeatable."
+            "is lost); or at a phase of a peer's recovery the rank takes part in while parked "
+            "in step S: at=park|rebuild|pull|replay|checkpoint. Repeatable."
         ),
     ] = None,
     summary: Annotated[
