@@ -116,7 +116,7 @@ def test_what_the_parser_refuses_is_one_line(args, needles):
 @pytest.mark.parametrize(
     ("nnodes", "needles"),
     [
-        ("1:2", ["--nnodes 1:2", "elastic node ranges", "not supported yet"]),
+        ("1:2", ["--nnodes 1:2", "needs one launcher per host (--rdzv-endpoint)"]),
         ("a:b", ["--nnodes", "'a:b'"]),
         ("2:1", ["--nnodes", "'2:1'"]),
         ("1:1:1", ["--nnodes", "'1:1:1'"]),
@@ -187,3 +187,42 @@ def test_a_job_that_ends_mid_request_is_named():
         _one_line_error(proc, "closed the connection before answering 'stop'", "job ended")
     finally:
         server.close()
+
+
+MULTI = ["run", "--rdzv-endpoint", "127.0.0.1:29999", "--rdzv-id", "job1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needles"),
+    [
+        (["run", "--rdzv-endpoint", "127.0.0.1:29999", "--node-rank", "0"], {},
+         ["--rdzv-endpoint needs --rdzv-id", "--node-rank"]),
+        ([*MULTI, "--node-rank", "0"], {}, ["needs a secret", "--token-file", "XMIG_SECRET"]),
+        ([*MULTI, "--node-rank", "0"], {"XMIG_SECRET": "short"}, ["too short"]),
+        ([*MULTI, "--node-rank", "3", "--nnodes", "2:3"], {"XMIG_SECRET": "s" * 32},
+         ["--node-rank must be 0..2", "got 3"]),
+        ([*MULTI, "--node-rank", "0", "--nnodes", "2:3", "--spare-nodes", "1"], {},
+         ["names the spare hosts already"]),
+        ([*MULTI, "--node-rank", "0", "--simulate-hosts"], {"XMIG_SECRET": "s" * 32},
+         ["--simulate-hosts", "does not go with --rdzv-endpoint"]),
+        (["run", "--rdzv-endpoint", "nowhere", "--rdzv-id", "j", "--node-rank", "0"],
+         {"XMIG_SECRET": "s" * 32}, ["--rdzv-endpoint must be HOST:PORT"]),
+        (["run", "--rdzv-endpoint", "h:1", "--rdzv-id", "a/b", "--node-rank", "0"],
+         {"XMIG_SECRET": "s" * 32}, ["--rdzv-id must be"]),
+        (["run", "--node-rank", "1"], {}, ["go with --rdzv-endpoint"]),
+        ([*MULTI, "--node-rank", "0", "--rdzv-backend", "etcd"], {}, ["--rdzv-backend"]),
+    ],
+)  # fmt: skip
+def test_bad_multi_host_options(args, env, needles, monkeypatch):
+    monkeypatch.delenv("XMIG_SECRET", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    _one_line_error(xmig(*args, str(DEMO)), *needles)
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o644)
+    proc = xmig(*MULTI, "--node-rank", "0", "--token-file", str(secret), str(DEMO))
+    _one_line_error(proc, f"--token-file {secret} is readable by others (mode 644)", "chmod 600")

@@ -19,7 +19,7 @@ from xmig.coord.orders import (
     ToNode,
 )
 from xmig.coord.recovery import RECOVERY_TRANSITIONS, RecoveryPhase
-from xmig.jobspec import JobSpec
+from xmig.jobspec import HostLaunch, JobSpec
 from xmig.protocol import (
     Abort,
     AgentHello,
@@ -167,11 +167,14 @@ def test_starting_to_running_when_every_agent_joined():
 
 
 def test_an_agent_of_an_unknown_or_joined_node_is_refused():
-    job = Job(make_spec(nnodes=2), started=T0)
-    job.on(AgentHello(node=0, pid=1, netns=None), T0)
-    for node in (0, 5):
-        with pytest.raises(Refused, match="not expected or already joined"):
-            job.on(AgentHello(node=node, pid=1, netns=None), T0)
+    job = Job(make_spec(nnodes=2, spare_nodes=1), started=T0)
+    job.on(AgentHello(node=0, pid=11, netns=None), T0)
+    with pytest.raises(Refused, match=r"node rank 0 has already joined \(agent pid 11\)"):
+        job.on(AgentHello(node=0, pid=12, netns=None), T0)
+    with pytest.raises(Refused, match=r"node rank 5 is not expected: .* 2 node\(s\) and 1 "
+                       r"spare, node ranks 0..2"):  # fmt: skip
+        job.on(AgentHello(node=5, pid=1, netns=None), T0)
+    assert job.agents == {0} and job.agent_pids == {0: 11}
 
 
 def test_starting_to_stopping_when_agents_do_not_connect_in_time():
@@ -182,6 +185,63 @@ def test_starting_to_stopping_when_agents_do_not_connect_in_time():
     assert job.state is S.STOPPING
     assert "agents of nodes [1] did not connect within 5 s" in job.reason
     assert sent(orders, StopWorkers) == [(0, StopWorkers(grace=3.0))]
+
+
+def test_a_job_of_hosts_names_the_hosts_that_never_joined():
+    job = Job(make_spec(nnodes=3, agent_connect_timeout=5.0, multi_host=True), started=T0)
+    job.on(AgentHello(node=1, pid=1, netns=None), T0)
+    job.on(Tick(), T0 + 5.1)
+    assert job.state is S.STOPPING
+    assert "hosts of node ranks [0, 2] did not connect within 5 s (--join-timeout)" in job.reason
+
+
+def test_the_job_runs_once_its_nodes_joined_and_warns_once_of_spares_that_did_not():
+    job = Job(make_spec(nnodes=2, spare_nodes=1, agent_connect_timeout=5.0), started=T0)
+    job.on(AgentHello(node=0, pid=1, netns=None), T0)
+    job.on(AgentHello(node=1, pid=2, netns=None), T0)
+    assert job.state is S.RUNNING  # spare node 2 has not joined: not needed to start
+    orders = job.on(Tick(), T0 + 5.1)
+    warned = [o for o in orders if isinstance(o, Say)]
+    assert len(warned) == 1 and "spare nodes [2] have not joined" in warned[0].text
+    assert [o for o in job.on(Tick(), T0 + 6) if isinstance(o, Say)] == []
+    job.on(AgentHello(node=2, pid=3, netns=None), T0 + 7)  # a late spare is taken
+    assert job.agents == {0, 1, 2} and job.state is S.RUNNING
+
+
+def _launch(**fields):
+    base = {"script": "/job/train.py", "script_sha256": "ab" * 32, "args": ["--lr", "0.1"],
+            "cwd": "/job", "nproc_per_node": 2, "nnodes": 2, "spare_nodes": 1,
+            "keep_log": True, "faults": [], "resume": None}  # fmt: skip
+    return HostLaunch(**{**base, **fields})
+
+
+def test_a_host_started_with_another_command_line_is_refused_naming_what_differs():
+    job = Job(make_spec(nnodes=2, nproc_per_node=2, spare_nodes=1, multi_host=True),
+              started=T0, launch=_launch())  # fmt: skip
+    # another folder and path to the same script is fine: hosts mount the job where they do
+    job.on(
+        AgentHello(
+            node=1,
+            pid=1,
+            netns=None,
+            launch=_launch(script="/other/train.py", cwd="/other").to_json(),
+        ),
+        T0,
+    )
+    assert job.agents == {1}
+    bad = _launch(script_sha256="cd" * 32, args=["--lr", "0.2"], nproc_per_node=4)
+    with pytest.raises(Refused) as refused:
+        job.on(AgentHello(node=0, pid=2, netns=None, launch=bad.to_json()), T0)
+    text = str(refused.value)
+    assert text.startswith("node rank 0 was started with another command line than node 0's")
+    assert "the script's content (train.py: sha256 cdcdcdcdcdcd… vs abababababab…)" in text
+    assert "args: ['--lr', '0.2'] vs ['--lr', '0.1']" in text
+    assert "nproc-per-node: 4 vs 2" in text
+    with pytest.raises(Refused, match="each started by `xmig run --rdzv-endpoint"):
+        job.on(AgentHello(node=0, pid=2, netns=None), T0)  # no launch at all
+    with pytest.raises(Refused, match="not a host's launch"):
+        job.on(AgentHello(node=0, pid=2, netns=None, launch={"script": "x"}), T0)
+    assert job.agents == {1} and job.state is S.STARTING
 
 
 # ---- faults: settle, then recover or stop --------------------------------------------------

@@ -49,7 +49,7 @@ def test_events_are_applied_in_order_and_unknown_messages_refused(coordinator):
         agent.call("bogus")
     with pytest.raises(RemoteError, match="field 'step' is missing"):
         agent.call("progress", rank=0)
-    with pytest.raises(RemoteError, match="not expected or already joined"):
+    with pytest.raises(RemoteError, match="node rank 0 has already joined"):
         agent.call("agent_hello", node=0, pid=1, netns=None)
 
     launcher, to_launcher = connect({"role": "launcher"})

@@ -34,6 +34,9 @@ LOG_LEVEL = "XMIG_LOG_LEVEL"
 STRICT = "XMIG_STRICT"
 TRACE_DIR = "XMIG_TRACE_DIR"
 RESUME = "XMIG_RESUME"
+# a host's own launch (``xmig.jobspec.HostLaunch`` JSON), from its launcher to its agent
+HOST_LAUNCH = "XMIG_HOST_LAUNCH"
+JOIN_REFUSED_EXIT_CODE = 3  # an agent the job did not take (its line says why)
 
 ROLE_NAME = "default"  # torchrun's one role
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from xmig.faults.spec import FaultSpec
@@ -27,6 +28,9 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
 DEFAULT_STOP_GRACE_S = 3.0
 DEFAULT_AGENT_CONNECT_TIMEOUT_S = 60.0
+# hosts started each by its own launcher come up when their scheduler starts them (a pod's
+# image pulled, a Slurm step started): torchrun waits as long for its rendezvous
+DEFAULT_HOST_JOIN_TIMEOUT_S = 600.0
 DEFAULT_KEEP_LOG = True
 DEFAULT_RECOVERY_TIMEOUT_S = 120.0
 DEFAULT_MAX_RECOVERIES = 10
@@ -83,6 +87,10 @@ class JobSpec:
     # sets the job's folder when none is asked for)
     checkpoint_dir: str | None = None
     resume: str | None = None  # the checkpoint this job resumes from
+    # one launcher per host (``--rdzv-endpoint``): the coordinator's control port, and the
+    # hosts' own launch each agent says it was given (compared with the coordinator's)
+    multi_host: bool = False
+    coord_port: int = 0
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field
@@ -98,6 +106,9 @@ class JobSpec:
             raise JobSpecError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if not 0 <= self.master_port <= MAX_PORT:
             raise JobSpecError(f"--master-port must be 0..{MAX_PORT}, got {self.master_port}")
+        if not 0 <= self.coord_port <= MAX_PORT:
+            raise JobSpecError(f"--rdzv-endpoint's port must be 0..{MAX_PORT}, got "
+                               f"{self.coord_port}")  # fmt: skip
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise JobSpecError("need 0 < --heartbeat-interval < --heartbeat-timeout")
         if self.stop_grace < 0:
@@ -173,3 +184,77 @@ class JobSpec:
         if missing:
             raise JobSpecError(f"missing job spec field(s): {', '.join(missing)}")
         return cls(**data)
+
+
+# what every host's command line must agree on: the computation (a host whose script or
+# arguments differ would train something else, silently) and the world's shape
+HOST_LAUNCH_FIELDS = ("script_sha256", "args", "nproc_per_node", "nnodes", "spare_nodes",
+                      "keep_log", "faults", "resume")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HostLaunch:
+    """What one host's launcher was given: its agent says it in its hello, the coordinator
+    compares it with its own (``differences``), and the agent runs the script from its own
+    path and folder (hosts need not mount the job at the same place)."""
+
+    script: str
+    script_sha256: str
+    args: tuple[str, ...]
+    cwd: str
+    nproc_per_node: int
+    nnodes: int
+    spare_nodes: int
+    keep_log: bool
+    faults: tuple[dict[str, Any], ...]
+    resume: str | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "faults", tuple(dict(f) for f in self.faults))
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> HostLaunch:
+        """This host's launch, from its spec (the script hashed here)."""
+        import hashlib
+
+        try:
+            with open(spec.script_path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as exc:
+            raise JobSpecError(f"cannot read the script {spec.script_path}: {exc}") from None
+        return cls(script=spec.script_path, script_sha256=digest, args=spec.args, cwd=spec.cwd,
+                   nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes,
+                   spare_nodes=spec.spare_nodes, keep_log=spec.keep_log, faults=spec.faults,
+                   resume=spec.resume)  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["args"], data["faults"] = list(self.args), [dict(f) for f in self.faults]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HostLaunch:
+        """The launch ``to_json`` wrote; JobSpecError for anything else."""
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise JobSpecError(f"not a host's launch: {exc}") from None
+
+    def differences(self, other: HostLaunch) -> list[str]:
+        """What of ``other`` (another host's) differs from this one, as ``name: A vs B``."""
+        found = []
+        for name in HOST_LAUNCH_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                if name == "script_sha256":
+                    found.append(f"the script's content ({Path(other.script).name}: sha256 "
+                                 f"{theirs[:12]}… vs {mine[:12]}…)")  # fmt: skip
+                else:
+                    found.append(f"{name.replace('_', '-')}: {_short(theirs)} vs {_short(mine)}")
+        return found
+
+
+def _short(value: Any) -> str:
+    text = repr(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= 80 else text[:77] + "..."

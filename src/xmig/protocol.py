@@ -406,11 +406,14 @@ class NotBitIdentical(Message):
 @message("agent_hello", A, C, request=True)
 @wire
 class AgentHello(Message):
-    """Reply: ``{"job": JobSpec JSON, "generation": int}``."""
+    """Reply: ``{"job": JobSpec JSON, "generation": int}``. ``launch``: what the agent's own
+    launcher was given (``xmig.jobspec.HostLaunch`` JSON), on a host started by a launcher of
+    its own; the coordinator refuses a host whose launch differs from the job's."""
 
     node: int
     pid: int
     netns: int | None
+    launch: dict[str, Any] | None = None
 
 
 @message("agent_alive", A, C)
@@ -549,7 +552,8 @@ class Restored(Message):
 @message("wait_result", L, C, request=True)
 @wire
 class WaitResult(Message):
-    """Subscribe to the job's outcome (a ``Result`` push)."""
+    """Subscribe to the job's outcome (a ``Result`` push). Reply: ``{"store_port": int}``
+    (the c10d store's, which a host's launcher did not choose)."""
 
 
 @message("stop", L, C, request=True)

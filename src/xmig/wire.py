@@ -462,3 +462,30 @@ class Client:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def connect_retrying(
+    address: tuple[str, int],
+    token: str,
+    within: float,
+    *,
+    info: Message | None = None,
+    on_push: Callable[[Message], None] | None = None,
+    on_close: Callable[[], None] | None = None,
+    interval: float = 0.2,
+) -> Client:
+    """A Client to ``address``, trying again while nothing answers there (a host started
+    before the coordinator's) for up to ``within`` seconds; a wrong token (AuthError) is
+    final at once."""
+    deadline = time.monotonic() + within
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return Client(address, token, info=info, on_push=on_push, on_close=on_close,
+                          connect_timeout=max(1.0, min(10.0, left)))  # fmt: skip
+        except AuthError:
+            raise
+        except WireError as exc:
+            if time.monotonic() + interval >= deadline:
+                raise WireError(f"{exc} (tried for {within:.0f} s)") from exc
+            time.sleep(interval)

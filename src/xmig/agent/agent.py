@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from xmig.agent.spares import Spare, SparePool
-from xmig.jobenv import COORD_ADDR, JOB_ID, TOKEN, WorkerEnv
-from xmig.jobspec import JobSpec
+from xmig.jobenv import COORD_ADDR, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN, WorkerEnv
+from xmig.jobspec import HostLaunch, JobSpec
 from xmig.migrate import criu, cuda, netif, stream
 from xmig.migrate.mover import MigrationError, ProcessMover
 from xmig.procs import die_with_parent, group_members, kill_group
@@ -71,9 +71,25 @@ from xmig.protocol import (
     fields_of,
 )
 from xmig.state.checkpoint import lost_coordinator_folder
-from xmig.wire import Client, Peer, Server, WireError, format_address
+from xmig.wire import (
+    AuthError,
+    Client,
+    Peer,
+    RemoteError,
+    Server,
+    WireError,
+    connect_retrying,
+    format_address,
+)
 
 log = logging.getLogger(__name__)
+
+
+CONNECT_TIMEOUT_S = 10.0  # the coordinator is up before one launcher starts its agents
+
+
+class JoinRefused(Exception):
+    """The job will not have this node (the message is the line to say)."""
 
 
 @dataclass
@@ -210,10 +226,14 @@ class Agent:
     signal is tied to it); other threads only post events to it.
     """
 
-    def __init__(self, coord_addr: tuple[str, int], token: str, node_rank: int) -> None:
+    def __init__(self, coord_addr: tuple[str, int], token: str, node_rank: int,
+                 launch: HostLaunch | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT_S) -> None:  # fmt: skip
         self.coord_addr = coord_addr
         self.token = token
         self.node_rank = node_rank
+        self.launch = launch  # what this host's own launcher was given, if it has its own
+        self.connect_timeout = connect_timeout
         self.workers: dict[int, Worker] = {}
         # processes of replaced workers that have not exited yet (still watched, then reaped)
         self.retired: list[Worker] = []
@@ -320,22 +340,44 @@ class Agent:
                                             replicas=msg.replicas)))  # fmt: skip
 
     # ---- main loop ------------------------------------------------------------------------
+    def _join(self) -> JobSpec:
+        """Connect to the coordinator and say hello; the job's spec, as this host runs it.
+        Raises ``JoinRefused`` with the one line to say when the job will not have this
+        node."""
+        where = format_address(self.coord_addr)
+        try:
+            self.coord = connect_retrying(
+                self.coord_addr, self.token, self.connect_timeout,
+                info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
+                on_push=self._on_coord_push, on_close=self._on_coord_lost,
+            )  # fmt: skip
+        except AuthError:
+            raise JoinRefused(f"the coordinator at {where} refused node rank {self.node_rank}: "
+                              "it does not hold this job's token") from None  # fmt: skip
+        except WireError as exc:
+            raise JoinRefused(f"cannot reach the coordinator at {where}: {exc}") from None
+        netns = os.stat("/proc/self/ns/net").st_ino
+        launch = self.launch.to_json() if self.launch is not None else None
+        hello = AgentHello(node=self.node_rank, pid=os.getpid(), netns=netns, launch=launch)
+        try:
+            reply = self.coord.call(hello.OP, **fields_of(hello))
+        except RemoteError as exc:
+            raise JoinRefused(f"the job refused this host: {exc}") from None
+        job = JobSpec.from_json(reply["job"])
+        if self.launch is not None:  # this host's own path to the script, and its folder
+            job = dataclasses.replace(job, script=self.launch.script, cwd=self.launch.cwd)
+        return job
+
     def run(self) -> int:
         self.server = Server("127.0.0.1", 0, self.token, self._on_worker_message, name="agent")
         self.server.start()
-        self.coord = Client(
-            self.coord_addr,
-            self.token,
-            info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
-            on_push=self._on_coord_push,
-            on_close=self._on_coord_lost,
-        )
         # a restored (migrated) worker's restorer exits at once: the worker becomes ours
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        netns = os.stat("/proc/self/ns/net").st_ino
-        hello = AgentHello(node=self.node_rank, pid=os.getpid(), netns=netns)
-        reply = self.coord.call(hello.OP, **fields_of(hello))
-        self._job = JobSpec.from_json(reply["job"])
+        try:
+            self._job = self._join()
+        except (JoinRefused, WireError) as exc:
+            log.error("node rank %d: %s", self.node_rank, exc)
+            return JOIN_REFUSED_EXIT_CODE
         self.heartbeat_timeout = self.job.heartbeat_timeout
         self.spares.wanted = self.job.hot_spares
         threading.Thread(target=self._keep_alive, name="xmig-alive", daemon=True).start()

@@ -293,6 +293,35 @@ def _manifest(spec: JobSpec, plan: CheckpointPlan, shards: list[Shard], first_st
     )  # fmt: skip
 
 
+def _saved_states(partial: Path, world_size: int
+                  ) -> tuple[dict[int, tuple[Path, dict[str, str]]], CheckpointPlan]:  # fmt: skip
+    """The states ranks saved in ``partial`` (rank -> its file and metadata), and the
+    checkpoint they make."""
+    saved: dict[int, tuple[Path, dict[str, str]]] = {}
+    for path in sorted(partial.glob("rank-*.safetensors")) if partial.is_dir() else []:
+        try:
+            metadata = read_metadata(path)
+            saved[int(metadata["rank"])] = (path, metadata)
+        except (CheckpointError, KeyError, ValueError, OSError):
+            continue  # a file cut short by the rank's end (or still being written)
+    positions = {
+        rank: Position(step=int(m["step"]), state_step=int(m["step"]), log_from=None,
+                       keep_log=True, signatures={}, replicas=json.loads(m["replicas"]))
+        for rank, (_, m) in saved.items()
+    }  # fmt: skip
+    return saved, plan_checkpoint(positions, world_size)
+
+
+def saved_states_complete(spec: JobSpec) -> bool:
+    """Whether the states saved after the coordinator was lost make a complete checkpoint
+    (hosts that save into a shared folder arrive one by one)."""
+    if spec.checkpoint_dir is None:
+        return False
+    partial = Path(lost_coordinator_folder(spec.checkpoint_dir, spec.job_id))
+    saved, plan = _saved_states(partial, spec.world_size)
+    return bool(saved) and plan.step is not None and bool(plan.writers) and not plan.missing
+
+
 def seal_saved_states(spec: JobSpec, reason: str, now: float) -> dict[str, Any]:
     """After the coordinator was lost, every rank saved its own state (``rank-R`` files,
     with its step and replicas in their metadata): keep one file per set of replicas, all of
@@ -303,21 +332,9 @@ def seal_saved_states(spec: JobSpec, reason: str, now: float) -> dict[str, Any]:
     if spec.checkpoint_dir is None:
         return {**record, "why": "no folder to write it to"}
     partial = Path(lost_coordinator_folder(spec.checkpoint_dir, spec.job_id))
-    saved: dict[int, tuple[Path, dict[str, str]]] = {}
-    for path in sorted(partial.glob("rank-*.safetensors")) if partial.is_dir() else []:
-        try:
-            metadata = read_metadata(path)
-            saved[int(metadata["rank"])] = (path, metadata)
-        except (CheckpointError, KeyError, ValueError, OSError):
-            continue  # a file cut short by the rank's end: as if not saved
+    saved, plan = _saved_states(partial, spec.world_size)
     if not saved:
         return {**record, "why": "no rank saved its state"}
-    positions = {
-        rank: Position(step=int(m["step"]), state_step=int(m["step"]), log_from=None,
-                       keep_log=True, signatures={}, replicas=json.loads(m["replicas"]))
-        for rank, (_, m) in saved.items()
-    }  # fmt: skip
-    plan = plan_checkpoint(positions, spec.world_size)
     if plan.step is None or not plan.writers:
         return {**record, "why": plan.why}
     shards = []

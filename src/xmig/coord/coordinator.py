@@ -29,7 +29,7 @@ from xmig.coord.orders import (
     ToAll,
     ToNode,
 )
-from xmig.jobspec import JobSpec
+from xmig.jobspec import HostLaunch, JobSpec
 from xmig.paths import job_folder
 from xmig.protocol import (
     AgentAlive,
@@ -89,10 +89,10 @@ class Coordinator:
         )
         self.spec = dataclasses.replace(spec, master_port=self.store.port)
         self.token = token
-        self.server = Server(
-            spec.master_addr, 0, token, self._handle, on_close=self._on_close, name="coord"
-        )
-        self.job = Job(self.spec, started=time.time())
+        self.server = Server(spec.master_addr, spec.coord_port, token, self._handle,
+                             on_close=self._on_close, name="coord")  # fmt: skip
+        launch = HostLaunch.of(spec) if spec.multi_host else None
+        self.job = Job(self.spec, started=time.time(), launch=launch)
         self.events_path = job_folder(spec.job_id) / "events.jsonl"
         self.events = EventLog(self.events_path)
         self.peers: dict[int, Peer] = {}  # node -> its agent's connection
@@ -130,7 +130,7 @@ class Coordinator:
                 self.launchers.append(peer)
                 if self.summary is not None:
                     peer.push(encode(Result(summary=self.summary)))
-            return {}
+            return {"store_port": self.spec.master_port}
         pending = _Pending(msg, peer)
         self._queue.put(pending)
         if not msg.REQUEST:

@@ -36,7 +36,7 @@ from xmig.coord.orders import (
 )
 from xmig.coord.recovery import Recovery
 from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
-from xmig.jobspec import JobSpec
+from xmig.jobspec import HostLaunch, JobSpec, JobSpecError
 from xmig.protocol import (
     Abort,
     AgentHello,
@@ -137,6 +137,9 @@ class Job:
 
     spec: JobSpec
     started: float
+    # the job's own launch, which each host's must equal (hosts started by launchers of their
+    # own); None when one launcher started every agent
+    launch: HostLaunch | None = None
     state: JobState = JobState.STARTING
     generation: int = 0
     agents: set[int] = field(default_factory=set)  # live nodes
@@ -229,16 +232,42 @@ class Job:
 
     # ---- agents and workers ------------------------------------------------------------------
     def _agent_hello(self, msg: AgentHello, now: float) -> list[Order]:
-        if msg.node in self.agents or not 0 <= msg.node < self.spec.all_nodes:
-            raise Refused(f"node {msg.node} is not expected or already joined")
+        self._check_host(msg)
         self.agents.add(msg.node)
         self.agent_pids[msg.node] = msg.pid
         if msg.netns is not None:
             self.agent_netns[msg.node] = msg.netns
         orders: list[Order] = [Note("agent", {"node": msg.node, "pid": msg.pid})]
-        if len(self.agents) == self.spec.all_nodes and self.state is S.STARTING:
+        # spare nodes may come later: a job needs them only once a node is lost
+        if set(range(self.spec.nnodes)) <= self.agents and self.state is S.STARTING:
             orders += self._enter(S.RUNNING, now)
         return [*orders, Reply({"job": self.spec.to_json(), "generation": self.generation})]
+
+    def _check_host(self, msg: AgentHello) -> None:
+        """Refuse an agent of a node that does not exist or has joined, or a host whose
+        launcher was given another command line than the job's."""
+        spec = self.spec
+        if not 0 <= msg.node < spec.all_nodes:
+            spares = f" and {spec.spare_nodes} spare" if spec.spare_nodes else ""
+            raise Refused(f"node rank {msg.node} is not expected: the job has {spec.nnodes} "
+                          f"node(s){spares}, node ranks 0..{spec.all_nodes - 1}")  # fmt: skip
+        if msg.node in self.agents:
+            raise Refused(f"node rank {msg.node} has already joined (agent pid "
+                          f"{self.agent_pids.get(msg.node)}): each host needs its own "
+                          "--node-rank")  # fmt: skip
+        if self.launch is None:
+            return
+        if msg.launch is None:
+            raise Refused(f"node rank {msg.node}: this job's hosts are each started by "
+                          "`xmig run --rdzv-endpoint ...`")  # fmt: skip
+        try:
+            theirs = HostLaunch.from_json(msg.launch)
+        except JobSpecError as exc:
+            raise Refused(f"node rank {msg.node}: {exc}") from None
+        differ = self.launch.differences(theirs)
+        if differ:
+            raise Refused(f"node rank {msg.node} was started with another command line than "
+                          f"node 0's: {'; '.join(differ)}")  # fmt: skip
 
     def _worker_started(self, msg: WorkerStarted, now: float) -> list[Order]:
         self.worker_pids[msg.rank].append(msg.pid)
@@ -706,10 +735,19 @@ class Job:
     def _deadlines(self, now: float) -> list[Order]:
         if self.state is S.SETTLING and now >= self.settle_until:
             return self._settle(now)
-        if self.state is S.STARTING and now > self.started + self.spec.agent_connect_timeout:
-            missing = sorted(set(range(self.spec.all_nodes)) - self.agents)
-            return self._stop(f"agents of nodes {missing} did not connect within "
-                              f"{self.spec.agent_connect_timeout:.0f} s", now)  # fmt: skip
+        joining = self.started + self.spec.agent_connect_timeout
+        if self.state is S.STARTING and now > joining:
+            missing = sorted(set(range(self.spec.nnodes)) - self.agents)
+            what = "hosts of node ranks" if self.spec.multi_host else "agents of nodes"
+            option = " (--join-timeout)" if self.spec.multi_host else ""
+            return self._stop(f"{what} {missing} did not connect within "
+                              f"{self.spec.agent_connect_timeout:.0f} s{option}", now)  # fmt: skip
+        spares = sorted(set(range(self.spec.all_nodes)) - self.agents - set(self.lost_nodes))
+        if now > joining and spares and "spares" not in self.warned and self.state in LIVE:
+            self.warned.add("spares")
+            return [Say(f"warning: spare nodes {spares} have not joined "
+                        f"{self.spec.agent_connect_timeout:.0f} s after the start: a lost node "
+                        "is not replaced until one does", logging.WARNING)]  # fmt: skip
         stop_deadline = self.stop_started + self.spec.stop_grace + STOP_SLACK_S
         if self.state is S.STOPPING and now > stop_deadline:
             missing = sorted(set(range(self.spec.nnodes)) - self.stopped_nodes)

@@ -16,8 +16,10 @@ import typer
 from xmig import __version__, logs
 from xmig.faults.spec import FaultSpecError, parse_faults
 from xmig.jobspec import (
+    DEFAULT_AGENT_CONNECT_TIMEOUT_S,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_HOST_JOIN_TIMEOUT_S,
     DEFAULT_HOT_SPARES,
     DEFAULT_KEEP_LOG,
     DEFAULT_LOG_LEVEL,
@@ -76,11 +78,65 @@ def run(
     nnodes: Annotated[
         str,
         typer.Option(
-            metavar="N",
-            help="Number of nodes (agents); torchrun's N:N means N (an elastic MIN:MAX range "
-            "is not supported yet).",
+            metavar="N|MIN:MAX",
+            help="Number of nodes (agents). With --rdzv-endpoint, MIN:MAX means MIN nodes "
+            "with workers and MAX-MIN spare hosts that join idle and take over a lost one.",
         ),
     ] = str(DEFAULT_NNODES),
+    node_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--node-rank",
+            "--node_rank",
+            help="With --rdzv-endpoint: this host's node (0..MAX-1); node 0 hosts the coordinator.",
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            "--rdzv_endpoint",
+            metavar="HOST:PORT",
+            help="One launcher per host: the coordinator's address, on node 0's host; every "
+            "host runs the same command with its own --node-rank.",
+        ),
+    ] = None,
+    rdzv_id: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-id",
+            "--rdzv_id",
+            metavar="JOB",
+            help="With --rdzv-endpoint: the job's id, the same on every host.",
+        ),
+    ] = None,
+    rdzv_backend: Annotated[
+        str,
+        typer.Option(
+            "--rdzv-backend",
+            "--rdzv_backend",
+            metavar="NAME",
+            help="Accepted as torchrun's (c10d or static): xmig's coordinator is the "
+            "rendezvous either way.",
+        ),
+    ] = "c10d",
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="With --rdzv-endpoint: an owner-only file holding a secret every host "
+            "of the job has (or XMIG_SECRET); the job's token is derived from it and "
+            "the job's id.",
+        ),
+    ] = None,
+    join_timeout: Annotated[
+        float | None,
+        typer.Option(
+            metavar="S",
+            help="Seconds the job waits for every node's agent to join (default 60; "
+            "600 with --rdzv-endpoint); a host waits as long for the coordinator.",
+        ),
+    ] = None,
     standalone: Annotated[
         bool,
         typer.Option(
@@ -198,11 +254,31 @@ def run(
         if script.startswith("-"):  # an option we do not know, taken for the script's name
             raise click.UsageError(f"no such option: {script}")
         raise click.UsageError(f"script not found: {script}")
-    nodes = _parse_nnodes(nnodes)
-    if standalone and nodes > 1:
+    nodes, most = _parse_nnodes(nnodes, elastic=rdzv_endpoint is not None)
+    if standalone and most > 1:
         raise click.UsageError(f"--standalone means one node; it cannot go with --nnodes {nnodes}")
+    if most > nodes:
+        if spare_nodes:
+            raise click.UsageError(f"--nnodes {nnodes} names the spare hosts already: give "
+                                   "no --spare-nodes with it")  # fmt: skip
+        spare_nodes = most - nodes
+    if rdzv_backend not in ("c10d", "static", "xmig"):
+        raise click.UsageError(f"--rdzv-backend must be c10d or static, got {rdzv_backend!r}")
+    token = None
+    host: dict[str, Any] = {}
+    if rdzv_endpoint is not None:
+        token, host = _multi_host(rdzv_endpoint, rdzv_id, node_rank, token_file,
+                                  simulate_hosts, master_addr, nodes + spare_nodes)  # fmt: skip
+        master_addr = host["master_addr"]
+    elif node_rank is not None or rdzv_id is not None or token_file is not None:
+        raise click.UsageError("--node-rank, --rdzv-id and --token-file go with "
+                               "--rdzv-endpoint (one launcher per host)")  # fmt: skip
     # the spec checks every number (JobSpecError); the faults come after the hosts' checks
-    job_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex()
+    job_id = host.get("job_id") or time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex()
+    if join_timeout is None:
+        join_timeout = DEFAULT_HOST_JOIN_TIMEOUT_S if host else DEFAULT_AGENT_CONNECT_TIMEOUT_S
+    if join_timeout <= 0:
+        raise click.UsageError(f"--join-timeout must be positive, got {join_timeout}")
     spec = _job_spec(
         JobSpec,
         job_id=job_id,
@@ -227,6 +303,9 @@ def run(
         trace_dir=str(trace_dir.resolve()) if trace_dir is not None else None,
         checkpoint_dir=str((checkpoint_dir or job_folder(job_id)).resolve()),
         resume=str(resume.resolve()) if resume is not None else None,
+        agent_connect_timeout=join_timeout,
+        multi_host=bool(host),
+        coord_port=host.get("coord_port", 0),
     )
     if simulate_hosts:
         if master_addr != DEFAULT_MASTER_ADDR:
@@ -244,7 +323,7 @@ def run(
     if spec.resume is not None:
         _check_resume(spec)
     try:
-        code = Launcher(spec, summary, argv=_ARGV).run()
+        code = Launcher(spec, summary, argv=_ARGV, token=token, node_rank=node_rank).run()
     except LaunchError as exc:
         raise click.UsageError(str(exc)) from None
     raise typer.Exit(code)
@@ -278,8 +357,9 @@ def _job_spec(make: Callable[..., JobSpec], *args: Any, **fields: Any) -> JobSpe
         raise click.UsageError(str(exc)) from None
 
 
-def _parse_nnodes(text: str) -> int:
-    """``--nnodes``: N, or torchrun's MIN:MAX with MIN == MAX."""
+def _parse_nnodes(text: str, elastic: bool) -> tuple[int, int]:
+    """``--nnodes``: N, or torchrun's MIN:MAX (MIN < MAX only with one launcher per host,
+    ``elastic``: the hosts beyond MIN are spares)."""
     parts = text.split(":")
     try:
         least, most = int(parts[0]), int(parts[-1])
@@ -289,12 +369,45 @@ def _parse_nnodes(text: str) -> int:
         raise click.UsageError(f"--nnodes must be N or MIN:MAX, got {text!r}")
     if least < 1:
         raise click.UsageError(f"--nnodes must be at least 1, got {text}")
-    if least != most:
+    if least != most and not elastic:
         raise click.UsageError(
-            f"--nnodes {text}: elastic node ranges (MIN < MAX) are not supported yet; give one "
-            "number of nodes"
+            f"--nnodes {text}: a range MIN:MAX (spare hosts beyond MIN) needs one launcher per "
+            "host (--rdzv-endpoint); on one machine give N and --spare-nodes"
         )
-    return least
+    return least, most
+
+
+def _multi_host(endpoint: str, rdzv_id: str | None, node_rank: int | None,
+                token_file: Path | None, simulate_hosts: bool, master_addr: str,
+                all_nodes: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """The token and the spec's fields of a job with one launcher per host."""
+    from xmig.launch.multihost import (
+        MultiHostError,
+        check_rdzv_id,
+        job_token,
+        parse_endpoint,
+        read_secret,
+    )
+
+    if rdzv_id is None or node_rank is None:
+        raise click.UsageError("--rdzv-endpoint needs --rdzv-id (the job's id) and "
+                               "--node-rank (this host's node) on every host")  # fmt: skip
+    if simulate_hosts:
+        raise click.UsageError("--simulate-hosts starts every node from one launcher; it does "
+                               "not go with --rdzv-endpoint")  # fmt: skip
+    if master_addr != DEFAULT_MASTER_ADDR:
+        raise click.UsageError("with --rdzv-endpoint the store is on the coordinator's host: "
+                               "give no --master-addr")  # fmt: skip
+    if not 0 <= node_rank < all_nodes:
+        raise click.UsageError(f"--node-rank must be 0..{all_nodes - 1} for --nnodes with "
+                               f"{all_nodes} host(s), got {node_rank}")  # fmt: skip
+    try:
+        job_id = check_rdzv_id(rdzv_id)
+        address, port = parse_endpoint(endpoint)
+        token = job_token(read_secret(token_file), job_id)
+    except MultiHostError as exc:
+        raise click.UsageError(str(exc)) from None
+    return token, {"job_id": job_id, "master_addr": address, "coord_port": port}
 
 
 def _connect(job: str | None, coord: str | None, token: str | None) -> Client:

@@ -21,14 +21,15 @@ from typing import Any
 
 import psutil
 
-from xmig.coord.checkpoint import seal_saved_states
+from xmig.coord.checkpoint import saved_states_complete, seal_saved_states
 from xmig.coord.migration import job_images
-from xmig.jobenv import JOB_ID, TOKEN
-from xmig.jobspec import JobSpec
+from xmig.jobenv import HOST_LAUNCH, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN
+from xmig.jobspec import HostLaunch, JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
 from xmig.paths import jobs_dir
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
-from xmig.wire import Client, WireError, parse_address
+from xmig.state.checkpoint import lost_coordinator_folder
+from xmig.wire import AuthError, Client, WireError, connect_retrying, format_address, parse_address
 
 COORDINATOR_START_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 15.0
@@ -170,11 +171,16 @@ class Launcher:
     """Runs one job to its outcome; owns the coordinator and agent processes."""
 
     def __init__(self, spec: JobSpec, summary_path: Path | None,
-                 argv: list[str] | None = None) -> None:  # fmt: skip
+                 argv: list[str] | None = None, token: str | None = None,
+                 node_rank: int | None = None) -> None:  # fmt: skip
         self.spec = spec
         self.summary_path = summary_path
         self.argv = argv  # ``xmig``'s own arguments, for the command that resumes the job
-        self.token = secrets.token_hex(32)
+        self.token = token or secrets.token_hex(32)
+        # one launcher per host: this host's node; None: this launcher starts every node
+        self.node_rank = node_rank
+        self.hosts_coordinator = node_rank in (None, 0)
+        self._refused = False  # this host's agent was not taken into the job
         self.coordinator: subprocess.Popen | None = None
         self.agents: list[subprocess.Popen] = []
         self.client: Client | None = None
@@ -210,9 +216,18 @@ class Launcher:
         self.spec = replace(self.spec, master_port=int(ready["master_port"]))
         return str(ready["address"])
 
+    @property
+    def local_nodes(self) -> list[int]:
+        """The nodes whose agents this launcher starts."""
+        return list(range(self.spec.all_nodes)) if self.node_rank is None else [self.node_rank]
+
     def _start_agents(self, address: str) -> None:
-        for node in range(self.spec.all_nodes):
+        for node in self.local_nodes:
             env = self._env()
+            extra: list[str] = []
+            if self.spec.multi_host:
+                env[HOST_LAUNCH] = json.dumps(HostLaunch.of(self.spec).to_json())
+                extra = ["--connect-timeout", str(self.spec.agent_connect_timeout)]
             enter = None
             if self.hosts is not None:
                 env.update(self.hosts.environment(node))
@@ -225,7 +240,7 @@ class Launcher:
 
             # the node rank last: what tells the agents apart on a process list
             cmd = [sys.executable, "-m", "xmig.agent", "--log-level", self.spec.log_level,
-                   "--coord", address, "--node-rank", str(node)]  # fmt: skip
+                   *extra, "--coord", address, "--node-rank", str(node)]  # fmt: skip
             self.agents.append(
                 subprocess.Popen(
                     cmd,
@@ -293,30 +308,51 @@ class Launcher:
             with contextlib.suppress(WireError):
                 self.client.notify("stop", reason=f"interrupted by {name}")
 
+    def _connect(self, address: str) -> None:
+        """This launcher's connection to the coordinator, for the job's outcome."""
+        within = self.spec.agent_connect_timeout if not self.hosts_coordinator else 10.0
+        try:
+            self.client = connect_retrying(parse_address(address), self.token, within,
+                                           info={"role": "launcher"}, on_push=self._on_push,
+                                           on_close=self._result_ready.set)  # fmt: skip
+        except AuthError:
+            raise LaunchError(f"the coordinator at {address} refused this host: it does not "
+                              "hold this job's token (the same --token-file or XMIG_SECRET, "
+                              "and --rdzv-id, on every host)") from None  # fmt: skip
+        except WireError as exc:
+            raise LaunchError(f"cannot reach the coordinator at {address}: {exc}") from None
+
+    def _watch_agents(self) -> None:
+        """Stop waiting for an outcome when every agent of this host ended without one (the
+        job did not take this node: the agent said why)."""
+
+        def watch() -> None:
+            codes = [proc.wait() for proc in self.agents]
+            if self._result is None and JOIN_REFUSED_EXIT_CODE in codes:
+                self._refused = True
+                self._result_ready.set()
+
+        threading.Thread(target=watch, name="xmig-agents", daemon=True).start()
+
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             remove_stale_jobs()
             self._create_hosts()
-            address = self._start_coordinator()
+            if self.hosts_coordinator:
+                address = self._start_coordinator()
+            else:  # another host's: wait for it, and refuse a wrong token before anything
+                address = format_address((self.spec.master_addr, self.spec.coord_port))
+                self._connect(address)
             self._start_agents(address)
-            self.client = Client(
-                parse_address(address),
-                self.token,
-                info={"role": "launcher"},
-                on_push=self._on_push,
-                on_close=self._result_ready.set,
-            )
-            self.client.call("wait_result")
+            if self.client is None:
+                self._connect(address)
+            assert self.client is not None
+            self._watch_agents()
+            joined = self.client.call("wait_result")
+            self.spec = replace(self.spec, master_port=int(joined["store_port"]))
             self._write_job_file(address)
-            spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
-            print(
-                f"xmig: job {self.spec.job_id}: {self.spec.world_size} ranks on "
-                f"{self.spec.nnodes} node(s){spares}, coordinator {address}, store port "
-                f"{self.spec.master_port}",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._say_started(address)
             if self._plain:
                 print(
                     f"xmig: note: {Path(self.spec.script).name} does not use xmig: it runs as "
@@ -327,6 +363,14 @@ class Launcher:
                 )
             self._result_ready.wait()
             summary = self._result
+            if summary is None and self._refused:
+                print(
+                    f"xmig: node rank {self.node_rank} did not join job {self.spec.job_id} "
+                    "(the line above says why); exit code 2",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 2
             if summary is None:
                 summary = self._coordinator_lost()
             code = int(summary["exit_code"])
@@ -342,6 +386,18 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _say_started(self, address: str) -> None:
+        spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
+        here = ""
+        if self.node_rank is not None:
+            role = "spare node" if self.node_rank >= self.spec.nnodes else "node"
+            here = f"; this host is {role} rank {self.node_rank}"
+            if not self.hosts_coordinator:
+                here += " (the coordinator's host writes the summary)"
+        print(f"xmig: job {self.spec.job_id}: {self.spec.world_size} ranks on "
+              f"{self.spec.nnodes} node(s){spares}, coordinator {address}, store port "
+              f"{self.spec.master_port}{here}", file=sys.stderr, flush=True)  # fmt: skip
+
     def _coordinator_lost(self) -> dict[str, Any]:
         """The coordinator died before the job had an outcome: every agent has its ranks save
         their own state and stop; once the agents are gone, what was saved becomes one
@@ -356,11 +412,23 @@ class Launcher:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 stop_process(proc, grace=1.0)  # its workers die with it
-        saved = seal_saved_states(self.spec, "the coordinator was lost", time.time())
+        if not self.hosts_coordinator:
+            folder = lost_coordinator_folder(self.spec.checkpoint_dir or "", self.spec.job_id)
+            print(f"xmig: this host's ranks saved their state in {folder}; node 0's launcher "
+                  "makes the checkpoint of them (--checkpoint-dir must be a folder every host "
+                  "shares)", file=sys.stderr, flush=True)  # fmt: skip
+        elif self.spec.multi_host:  # other hosts' ranks save into the shared folder too
+            while time.monotonic() < deadline and not saved_states_complete(self.spec):
+                time.sleep(0.5)
+        saved: dict[str, Any] = {"path": None, "why": "sealed by node 0's launcher"}
+        if self.hosts_coordinator:
+            saved = seal_saved_states(self.spec, "the coordinator was lost", time.time())
         stopped = time.monotonic() - lost
         message = "failed: the coordinator was lost"
         if saved.get("path"):
             message += f"; just-in-time checkpoint of step {saved['step']} in {saved['path']}"
+        elif not self.hosts_coordinator:
+            message += "; this host's ranks saved their state for node 0's launcher to seal"
         else:
             message += f"; nothing saved: {saved['why']}"
         return {
@@ -376,7 +444,7 @@ class Launcher:
         }  # fmt: skip
 
     def _report(self, summary: dict[str, Any]) -> None:
-        if self.summary_path is not None:
+        if self.summary_path is not None and self.hosts_coordinator:
             self.summary_path.parent.mkdir(parents=True, exist_ok=True)
             self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         head = f"xmig: job {summary['job_id']}"

@@ -1,0 +1,215 @@
+"""One launcher per host: every host of the job is started by its own ``xmig run`` in a
+network namespace of its own (a simulated host with its own address), as ``srun`` or a
+Kubernetes pod would start it; node rank 0 hosts the coordinator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from xmig.launch.hosts import SimulatedHosts
+from xmig.launch.multihost import job_token
+from xmig.wire import Client, WireError
+
+from helpers import DEMO, REPO, assert_all_gone, fault_free_sha256, wait_for
+
+SECRET = "a-secret-every-host-of-the-job-holds"
+PORT = 29400
+HEARTBEAT = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="simulated hosts need root (network namespaces)"
+)
+
+
+class Hosts:
+    """Simulated hosts, each ``xmig run`` of which runs in its own namespace."""
+
+    def __init__(self, count: int, tmp_path: Path) -> None:
+        self.net = SimulatedHosts(f"mh-{uuid.uuid4().hex[:8]}", count).create()
+        self.tmp_path = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.net.address(0)}:{PORT}"
+
+    def start(self, name: str, node: int, args: list[str], secret: str = SECRET,
+              namespace: int | None = None) -> subprocess.Popen:  # fmt: skip
+        """``xmig run ARGS`` as host ``node`` (in namespace ``namespace``, its own by
+        default), its output in ``NAME.log``; a host's own jobs folder, as on its own
+        machine."""
+        where = node if namespace is None else namespace
+        env = {**os.environ, "XMIG_SECRET": secret, **self.net.environment(where),
+               "XMIG_JOBS_DIR": str(self.tmp_path / name / "jobs")}  # fmt: skip
+        log = open(self.tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the child writes it
+        cmd = [sys.executable, "-m", "xmig", "run", "--node-rank", str(node), *args]
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            preexec_fn=self.net.enter(where), start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def output(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def wait(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"host {name} did not end in {timeout} s:\n"
+                                 f"{self.output(name)}") from None  # fmt: skip
+
+    def namespace_pids(self, node: int) -> list[int]:
+        listed = subprocess.run(["ip", "netns", "pids", self.net.namespace(node)],
+                                capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+        return [int(p) for p in listed.stdout.split()]
+
+    def kill_host(self, node: int) -> list[int]:
+        """Every process of host ``node`` at once: its launcher, agent and workers."""
+        pids = self.namespace_pids(node)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        for node in range(self.net.count):
+            with contextlib.suppress(subprocess.SubprocessError):
+                self.kill_host(node)
+        self.net.remove()
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    made: list[Hosts] = []
+
+    def make(count: int) -> Hosts:
+        made.append(Hosts(count, tmp_path))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def status(net: Hosts, job_id: str) -> dict:
+    client = Client((net.net.address(0), PORT), job_token(SECRET, job_id),
+                    info={"role": "client"}, connect_timeout=5.0)  # fmt: skip
+    try:
+        return client.call("status", timeout=10.0)["status"]
+    finally:
+        client.close()
+
+
+@needs_root
+def test_hosts_with_launchers_of_their_own_recover_a_killed_worker_and_a_lost_host(
+    hosts, tmp_path, tmp_path_factory
+):
+    steps = 12
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    script = [str(DEMO), "--steps", str(steps), "--step-sleep", "0.25", "--quiet"]
+    reference = fault_free_sha256(["--nnodes", "3", "--hot-spares", "0", *script[:3],
+                                   "--quiet"], tmp_path_factory)  # fmt: skip
+    net = hosts(4)
+    common = ["--nnodes", "3:4", "--rdzv-endpoint", net.endpoint, "--rdzv-id", job_id,
+              "--hot-spares", "0", *HEARTBEAT, "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--inject", "kill:rank=1:step=2:at=backward"]  # fmt: skip
+    # the other hosts first: they wait for the coordinator's host
+    for node in (1, 2, 3):
+        net.start(f"host{node}", node, [*common, *script])
+    time.sleep(0.5)
+    net.start("host0", 0, ["--summary", str(tmp_path / "summary.json"), *common, *script])
+
+    def past_the_kill() -> bool:
+        try:
+            now = status(net, job_id)
+        except WireError:  # the coordinator is not up yet
+            return False
+        return now["status"] == "running" and now["faults"] >= 1 and \
+            min(now["progress"].values(), default=0) >= 5  # fmt: skip
+
+    wait_for(past_the_kill, 120, "the job to recover the kill and reach step 5")
+    killed = net.kill_host(2)
+    assert killed, "host 2 had no processes"
+    codes = {name: net.wait(name, 180) for name in ("host0", "host1", "host3")}
+    assert codes == {"host0": 0, "host1": 0, "host3": 0}, {n: net.output(n) for n in codes}
+    assert net.wait("host2", 10) == -signal.SIGKILL
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert summary["final_params_sha256"] == reference, "not bit-identical"
+    kinds = [(f["kind"], f.get("node")) for f in summary["faults"]]
+    assert kinds[0][0] != "agent_lost" and kinds[1] == ("agent_lost", 2), kinds
+    assert summary["lost_nodes"] == [2]
+    # rank 0 survived both faults in the same process; rank 1 was replaced on its node, rank
+    # 2 moved to the spare host
+    assert len(summary["worker_pids"]["0"]) == 1
+    assert len(summary["worker_pids"]["1"]) == 2 and summary["worker_nodes"]["1"] == 1
+    assert len(summary["worker_pids"]["2"]) == 2 and summary["worker_nodes"]["2"] == 3
+    assert len(summary["recoveries"]) == 2
+    assert all(0 < r["total_s"] < 60 for r in summary["recoveries"])
+    # each launcher said the outcome; only the coordinator's host wrote the summary
+    for name in ("host1", "host3"):
+        assert f"job {job_id} completed: {steps} steps" in net.output(name)
+    assert "this host is spare node rank 3" in net.output("host3")
+    assert_all_gone(summary)
+    for node in range(4):
+        assert net.namespace_pids(node) == [], f"processes left on host {node}"
+
+
+@needs_root
+def test_hosts_that_cannot_join_say_why_and_a_host_that_never_comes_stops_the_job(hosts, tmp_path):
+    net = hosts(3)
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    common = ["--nnodes", "3", "--rdzv-endpoint", net.endpoint, "--rdzv-id", job_id,
+              "--hot-spares", "0", "--join-timeout", "12"]  # fmt: skip
+    script = [str(DEMO), "--steps", "3", "--quiet"]
+    # nobody hosts a coordinator at this endpoint: a bounded wait
+    lonely = ["--nnodes", "2", "--rdzv-endpoint", f"{net.net.address(0)}:{PORT + 1}",
+              "--rdzv-id", "nobody", "--join-timeout", "2"]  # fmt: skip
+    net.start("lonely", 1, [*lonely, *script], namespace=1)
+    net.start("host0", 0, ["--summary", str(tmp_path / "summary.json"), *common, *script])
+    net.start("host1", 1, [*common, *script])
+    wait_for(lambda: "this host is node rank 1" in net.output("host1"), 60, "host 1 to join")
+    # a wrong secret, a node rank taken twice, another command line: each refused at once
+    net.start("wrong-secret", 2, [*common, *script], secret="not-the-job's-secret-at-all",
+              namespace=2)  # fmt: skip
+    net.start("twice", 1, [*common, *script], namespace=2)
+    net.start("other-args", 2, [*common, str(DEMO), "--steps", "4", "--quiet"], namespace=2)
+    for name, needle in [
+        ("lonely", f"cannot reach the coordinator at {net.net.address(0)}:{PORT + 1}"),
+        ("wrong-secret", "refused this host: it does not hold this job's token"),
+        ("twice", "node rank 1 has already joined"),
+        ("other-args", "node rank 2 was started with another command line than node 0's: "
+                       "args: "),
+    ]:  # fmt: skip
+        assert net.wait(name, 60) == 2, net.output(name)
+        assert needle in net.output(name), net.output(name)
+    # host 2 never comes: the job stops at the join timeout, on every host that joined
+    assert net.wait("host0", 60) == 1 and net.wait("host1", 60) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "hosts of node ranks [2] did not connect within 12 s (--join-timeout)" in \
+        summary["message"]  # fmt: skip
+    assert "did not connect within 12 s" in net.output("host1")
+    assert_all_gone(summary)
+    for node in range(3):
+        assert net.namespace_pids(node) == [], f"processes left on host {node}"
+    assert not [p for p in psutil.pids() if p in net.procs and psutil.pid_exists(p)]
