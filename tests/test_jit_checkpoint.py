@@ -228,18 +228,20 @@ def test_a_step_that_cannot_be_replayed_is_rolled_back(tmp_path, tmp_path_factor
 
 
 def _read_until(proc, text, timeout=120.0):
-    """The launcher's output up to and with the first line holding ``text``."""
-    deadline, lines = time.monotonic() + timeout, []
+    """The launcher's output as soon as it holds ``text`` (all read so far: read from the
+    pipe itself, so that no line waits in a buffer for the next one)."""
+    deadline, read = time.monotonic() + timeout, b""
+    fd = proc.stdout.fileno()
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        ready, _, _ = select.select([fd], [], [], 0.5)
         if ready:
-            line = proc.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 break
-            lines.append(line)
-            if text in line:
-                return "".join(lines)
-    raise AssertionError(f"no line with {text!r} within {timeout} s:\n{''.join(lines)}")
+            read += chunk
+            if text.encode() in read:
+                return read.decode(errors="replace")
+    raise AssertionError(f"no {text!r} within {timeout} s:\n{read.decode(errors='replace')}")
 
 
 def _job_process(output, role):
@@ -254,19 +256,67 @@ SLOW_DEMO = [str(DEMO), "--preset", "tiny", "--steps", "10", "--step-sleep", "0.
 @pytest.mark.parametrize("when", [pytest.param("mid-run", marks=pytest.mark.long),
                                   "mid-recovery"])  # fmt: skip
 def test_a_lost_coordinator_loses_nothing(tmp_path, tmp_path_factory, when):
-    """The coordinator SIGKILLed: every rank saves its own state, the launcher makes one
-    checkpoint of it and the summary, no process of the job is left, the resume is
-    bit-identical."""
+    """The coordinator SIGKILLed and not started again: every rank saves its own state, the
+    launcher makes one checkpoint of it and the summary, no process of the job is left, the
+    resume is bit-identical."""
     two = ["--nproc-per-node", "2", *FAST]
     expected = fault_free_sha256([*two, *SLOW_DEMO], tmp_path_factory)
     extra = ["--inject", "kill:rank=1:step=4:at=backward"] if when == "mid-recovery" else []
-    proc = start_run([*two, *extra, *SLOW_DEMO], tmp_path)
+    proc = start_run([*two, "--coordinator-restarts", "0", *extra, *SLOW_DEMO], tmp_path)
     seen = _read_until(proc, "recovery to generation 1" if extra else "step 3 loss")
     _job_process(seen, "xmig.coord").kill()
     result = finish_run(proc, tmp_path, timeout=120)  # no process of the job left: checked
     result.output = seen + result.output
     assert result.summary["coordinator"] == "lost"
     assert "the coordinator died" in result.output
+    folder, command = stopped_with_checkpoint(result)
+    resumed = resume(command, tmp_path)
+    assert resumed.returncode == 0, resumed.output
+    assert resumed.summary["final_params_sha256"] == expected
+
+
+def test_a_restarted_coordinator_takes_the_job_up_and_recovers_a_later_fault(
+    tmp_path, tmp_path_factory
+):
+    """The coordinator SIGKILLed mid-run: its launcher starts it again, it reads its
+    snapshot, the agent rejoins, the workers go on in the same processes and connect to the
+    new store; a kill afterwards is recovered through it, and the run is bit-identical."""
+    two = ["--nproc-per-node", "2", *FAST]
+    slow = [str(DEMO), "--preset", "tiny", "--steps", "16", "--step-sleep", "0.3"]
+    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
+    proc = start_run([*two, "--inject", "kill:rank=1:step=11:at=backward", *slow], tmp_path)
+    seen = _read_until(proc, "step 3 loss")
+    first = _job_process(seen, "xmig.coord")
+    first.kill()
+    result = finish_run(proc, tmp_path, timeout=120)
+    result.output = seen + result.output
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected, "not bit-identical"
+    assert "the coordinator died (exit -9); starting it again (1 of 3)" in result.output
+    (restart,) = summary["coordinator_restarts"]
+    assert restart["state_before"] == "running" and restart["busy"] is None
+    assert restart["missing_nodes"] == [] and summary["coordinator_pid"] != first.pid
+    assert summary["worker_pids"]["0"] == [summary["worker_pids"]["0"][0]]  # same process
+    (recovery,) = summary["recoveries"]
+    assert recovery["ranks"] == [1] and recovery["verified"] is True
+
+
+def test_a_coordinator_restarted_during_a_recovery_saves_the_state(tmp_path, tmp_path_factory):
+    """A recovery half carried out cannot be taken up again by a new coordinator: the
+    survivors save their state, the replacement is ended, and the resume is bit-identical."""
+    two = ["--nproc-per-node", "2", *FAST]
+    expected = fault_free_sha256([*two, *SLOW_DEMO], tmp_path_factory)
+    proc = start_run([*two, "--inject", "kill:rank=1:step=4:at=backward", *SLOW_DEMO], tmp_path)
+    seen = _read_until(proc, "step 1 loss")
+    coordinator = _job_process(seen, "xmig.coord")  # found ahead: a search takes seconds
+    seen += _read_until(proc, "recovery to generation 1")
+    coordinator.kill()  # the replacement starts from scratch meanwhile (~2 s)
+    result = finish_run(proc, tmp_path, timeout=120)
+    result.output = seen + result.output
+    (restart,) = result.summary["coordinator_restarts"]
+    assert restart["busy"] == "recovery"
+    assert "the coordinator was restarted during a recovery" in result.summary["message"]
     folder, command = stopped_with_checkpoint(result)
     resumed = resume(command, tmp_path)
     assert resumed.returncode == 0, resumed.output

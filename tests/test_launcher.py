@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 
 from xmig.coord import eventlog
 from xmig.jobenv import WorkerEnv
-from xmig.launch.launcher import LaunchError, find_job
+from xmig.launch.launcher import LaunchError, find_job, remove_stale_jobs
 
 from helpers import DEMO, finish_run, launched, run, wait_for, write_script, xmig
 
@@ -213,3 +214,19 @@ def test_a_fault_beyond_the_last_step_is_an_error(tmp_path):
     assert summary["unfired_faults"] == ["kill:rank=1:step=100:at=backward"]
     assert "will never fire: the script runs 3 steps" in result.output
     assert "injected faults never fired" in result.last_lines[-1]
+
+
+def test_job_files_of_another_machine_are_neither_judged_nor_removed(jobs):
+    """A home folder the hosts of a job share holds every host's job file: a launcher cannot
+    see another machine's processes, so it leaves their files alone; ``xmig status`` takes
+    this machine's file of a job first, else another host's (same job, same coordinator)."""
+    me = psutil.Process()
+    other = _job_file(jobs, "run-7.node1", launcher_pid=_dead_pid(), launcher_started=1.0,
+                      host="another-machine", job_id="run-7")  # fmt: skip
+    remove_stale_jobs(jobs)
+    assert other.exists()
+    assert find_job("run-7").host == "another-machine"
+    _job_file(jobs, "run-7.node0", launcher_pid=me.pid, launcher_started=me.create_time(),
+              host=socket.gethostname(), job_id="run-7")  # fmt: skip
+    assert find_job("run-7").host == socket.gethostname()
+    assert find_job(None).job_id == "run-7"  # one job, however many hosts' files

@@ -4,109 +4,26 @@ Kubernetes pod would start it; node rank 0 hosts the coordinator."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import psutil
-import pytest
 
-from xmig.launch.hosts import SimulatedHosts
 from xmig.launch.multihost import job_token
 from xmig.wire import Client, WireError
 
-from helpers import DEMO, REPO, assert_all_gone, fault_free_sha256, wait_for
-
-SECRET = "a-secret-every-host-of-the-job-holds"
-PORT = 29400
-HEARTBEAT = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="simulated hosts need root (network namespaces)"
+from helpers import DEMO, assert_all_gone, fault_free_sha256, wait_for
+from hosts_harness import (
+    PORT,
+    SECRET,
+    Hosts,
+    hosts_fixture,  # noqa: F401 - the fixture `hosts`
+    needs_root,
 )
 
-
-class Hosts:
-    """Simulated hosts, each ``xmig run`` of which runs in its own namespace."""
-
-    def __init__(self, count: int, tmp_path: Path) -> None:
-        self.net = SimulatedHosts(f"mh-{uuid.uuid4().hex[:8]}", count).create()
-        self.tmp_path = tmp_path
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.net.address(0)}:{PORT}"
-
-    def start(self, name: str, node: int, args: list[str], secret: str = SECRET,
-              namespace: int | None = None) -> subprocess.Popen:  # fmt: skip
-        """``xmig run ARGS`` as host ``node`` (in namespace ``namespace``, its own by
-        default), its output in ``NAME.log``; a host's own jobs folder, as on its own
-        machine."""
-        where = node if namespace is None else namespace
-        env = {**os.environ, "XMIG_SECRET": secret, **self.net.environment(where),
-               "XMIG_JOBS_DIR": str(self.tmp_path / name / "jobs")}  # fmt: skip
-        log = open(self.tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the child writes it
-        cmd = [sys.executable, "-m", "xmig", "run", "--node-rank", str(node), *args]
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-            preexec_fn=self.net.enter(where), start_new_session=True,
-        )  # fmt: skip
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def output(self, name: str) -> str:
-        return (self.tmp_path / f"{name}.log").read_text()
-
-    def wait(self, name: str, timeout: float) -> int:
-        try:
-            return self.procs[name].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"host {name} did not end in {timeout} s:\n"
-                                 f"{self.output(name)}") from None  # fmt: skip
-
-    def namespace_pids(self, node: int) -> list[int]:
-        listed = subprocess.run(["ip", "netns", "pids", self.net.namespace(node)],
-                                capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
-        return [int(p) for p in listed.stdout.split()]
-
-    def kill_host(self, node: int) -> list[int]:
-        """Every process of host ``node`` at once: its launcher, agent and workers."""
-        pids = self.namespace_pids(node)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        for node in range(self.net.count):
-            with contextlib.suppress(subprocess.SubprocessError):
-                self.kill_host(node)
-        self.net.remove()
-
-
-@pytest.fixture
-def hosts(tmp_path):
-    made: list[Hosts] = []
-
-    def make(count: int) -> Hosts:
-        made.append(Hosts(count, tmp_path))
-        return made[-1]
-
-    yield make
-    for each in made:
-        each.close()
+HEARTBEAT = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
 
 
 def status(net: Hosts, job_id: str) -> dict:
@@ -213,3 +130,37 @@ def test_hosts_that_cannot_join_say_why_and_a_host_that_never_comes_stops_the_jo
     for node in range(3):
         assert net.namespace_pids(node) == [], f"processes left on host {node}"
     assert not [p for p in psutil.pids() if p in net.procs and psutil.pid_exists(p)]
+
+
+@needs_root
+def test_a_host_told_to_go_leaves_and_the_job_goes_on(hosts, tmp_path, tmp_path_factory):
+    """SIGTERM to another host's launcher (a drained node, an evicted pod): that host leaves,
+    its rank moves to the spare host, and the run is bit-identical; node 0's SIGTERM would
+    stop the job."""
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    script = [str(DEMO), "--steps", "10", "--step-sleep", "0.25", "--quiet"]
+    reference = fault_free_sha256(["--nnodes", "2", "--hot-spares", "0", *script[:3],
+                                   "--quiet"], tmp_path_factory)  # fmt: skip
+    net = hosts(3)
+    common = ["--nnodes", "2:3", "--rdzv-endpoint", net.endpoint, "--rdzv-id", job_id,
+              "--hot-spares", "0", *HEARTBEAT]  # fmt: skip
+    net.start("host0", 0, ["--summary", str(tmp_path / "summary.json"), *common, *script])
+    for node in (1, 2):
+        net.start(f"host{node}", node, [*common, *script])
+
+    def at_step_3() -> bool:
+        try:
+            return min(status(net, job_id)["progress"].values(), default=0) >= 3
+        except WireError:
+            return False
+
+    wait_for(at_step_3, 120, "the job to reach step 3")
+    net.procs["host1"].send_signal(signal.SIGTERM)
+    assert net.wait("host1", 30) == 128 + signal.SIGTERM
+    assert "this host (node rank 1) leaves the job" in net.output("host1")
+    assert net.wait("host0", 120) == 0 and net.wait("host2", 60) == 0, net.output("host0")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_params_sha256"] == reference, "not bit-identical"
+    assert summary["lost_nodes"] == [1] and summary["worker_nodes"]["1"] == 2
+    assert len(summary["worker_pids"]["0"]) == 1
+    assert_all_gone(summary)

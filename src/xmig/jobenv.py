@@ -36,6 +36,7 @@ TRACE_DIR = "XMIG_TRACE_DIR"
 RESUME = "XMIG_RESUME"
 # a host's own launch (``xmig.jobspec.HostLaunch`` JSON), from its launcher to its agent
 HOST_LAUNCH = "XMIG_HOST_LAUNCH"
+COORD_RESTART = "XMIG_COORD_RESTART"  # a coordinator started again: how many ran before
 JOIN_REFUSED_EXIT_CODE = 3  # an agent the job did not take (its line says why)
 
 ROLE_NAME = "default"  # torchrun's one role

@@ -38,6 +38,10 @@ DEFAULT_HOT_SPARES = 1
 DEFAULT_SPARE_NODES = 0
 DEFAULT_SIMULATE_HOSTS = False
 DEFAULT_LOG_LEVEL = "INFO"
+DEFAULT_COORDINATOR_RESTARTS = 3
+# how long agents try to reach a coordinator that went away, and a restarted one waits for
+# them: its start (an interpreter, torch for the store) takes seconds on a loaded host
+DEFAULT_REJOIN_TIMEOUT_S = 30.0
 DEFAULT_STRICT = False
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -91,6 +95,9 @@ class JobSpec:
     # hosts' own launch each agent says it was given (compared with the coordinator's)
     multi_host: bool = False
     coord_port: int = 0
+    # a coordinator that dies is started again by its launcher, this many times a job
+    coordinator_restarts: int = DEFAULT_COORDINATOR_RESTARTS
+    rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field
@@ -117,6 +124,10 @@ class JobSpec:
             raise JobSpecError("--recovery-timeout must be positive")
         if self.max_recoveries < 0:
             raise JobSpecError("--max-recoveries must not be negative")
+        if self.coordinator_restarts < 0:
+            raise JobSpecError("--coordinator-restarts must not be negative")
+        if self.rejoin_timeout <= 0:
+            raise JobSpecError("--rejoin-timeout must be positive")
         if self.hot_spares < 0:
             raise JobSpecError("--hot-spares must not be negative")
         if self.spare_nodes < 0:

@@ -414,6 +414,9 @@ class AgentHello(Message):
     pid: int
     netns: int | None
     launch: dict[str, Any] | None = None
+    # an agent reconnecting to a restarted coordinator: the workers it holds, each
+    # ``{"rank", "pid", "attempt", "step", "state"}`` (None: its first hello)
+    workers: list[dict[str, Any]] | None = None
 
 
 @message("agent_alive", A, C)
@@ -730,6 +733,16 @@ class Dump(Message):
 @wire
 class Resume(Message):
     generation: int
+
+
+@message("store_restarted", C, A, relay=Relay.ALL)
+@wire
+class StoreRestarted(Message):
+    """The job's c10d store was started anew (by a restarted coordinator): each worker
+    connects to it again before it builds its next communicators."""
+
+    master_addr: str
+    master_port: int
 
 
 @message("release", C, A, relay=Relay.ALL)

@@ -191,6 +191,20 @@ class CoordLost:
     """The connection to the coordinator ended."""
 
 
+@dataclass(frozen=True)
+class CoordBack:
+    """A coordinator answers at the job's address again (its launcher restarted it)."""
+
+    client: Client
+
+
+@dataclass(frozen=True)
+class CoordGone:
+    """No coordinator came back within the rejoin timeout."""
+
+    why: str
+
+
 def stdio_resources(fds: dict[str, str]) -> dict[int, str]:
     """For a worker's stdout/stderr on its old node (``/proc/PID/fd`` link targets), the CRIU
     resource each stands for: a pipe, a socket or a log file there; /dev/null and the like
@@ -256,6 +270,10 @@ class Agent:
         # the coordinator is lost: the ranks still saving their state, and until when
         self._saving: set[int] | None = None
         self._saving_until = 0.0
+        # while the coordinator is away: what is for it, sent once one is back
+        self._outbox: list[Message] | None = None
+        self._reconnecting = False
+        self._criu_status: CriuStatus | None = None
 
     @property
     def job(self) -> JobSpec:
@@ -425,7 +443,7 @@ class Agent:
                 assert self.coord is not None
                 self.coord.notify(AgentAlive.OP)
             except WireError:
-                return
+                continue  # a restarted coordinator takes the next one
 
     def _report_criu(self) -> None:
         usable, detail = criu.criu_status()
@@ -612,6 +630,62 @@ class Agent:
         return 0
 
     def _coord_lost(self, event: CoordLost) -> int | None:
+        """The coordinator went away: wait for its launcher to start it again (the workers
+        go on; what is for the coordinator waits), or, if the job restarts none, save."""
+        if self._saving is not None or self._reconnecting:
+            return None  # saving or waiting already
+        if self._job is not None and self._job.coordinator_restarts > 0:
+            self._reconnecting = True
+            if self._outbox is None:
+                self._outbox = []
+            log.warning("agent %d lost the coordinator; waiting up to %.0f s for it to be "
+                        "restarted", self.node_rank, self._job.rejoin_timeout)  # fmt: skip
+            threading.Thread(target=self._reconnect, name="xmig-rejoin", daemon=True).start()
+            return None
+        return self._save_states(CoordGone("the job restarts no coordinator"))
+
+    def _reconnect(self) -> None:
+        """(On a thread of its own.) Reach the coordinator again within the rejoin timeout."""
+        try:
+            client = connect_retrying(
+                self.coord_addr, self.token, self.job.rejoin_timeout,
+                info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
+                on_push=self._on_coord_push, on_close=self._on_coord_lost,
+            )  # fmt: skip
+        except WireError as exc:
+            self._post(CoordGone(str(exc)))
+            return
+        self._post(CoordBack(client))
+
+    def _coord_back(self, event: CoordBack) -> int | None:
+        """Say hello again with the workers this node holds, then what waited for it."""
+        self.coord = event.client
+        held = [{"rank": w.rank, "pid": w.pid, "attempt": w.attempt, "step": w.step,
+                 "state": w.state} for w in self.workers.values()]  # fmt: skip
+        launch = self.launch.to_json() if self.launch is not None else None
+        hello = AgentHello(node=self.node_rank, pid=os.getpid(),
+                           netns=os.stat("/proc/self/ns/net").st_ino, launch=launch,
+                           workers=held)  # fmt: skip
+        try:
+            self.coord.call(hello.OP, timeout=30.0, **fields_of(hello))
+        except (RemoteError, WireError) as exc:
+            self.coord.close()
+            return self._coord_gone(CoordGone(f"the restarted coordinator refused it: {exc}"))
+        log.warning("agent %d rejoined the restarted coordinator", self.node_rank)
+        outbox, self._outbox, self._reconnecting = self._outbox or [], None, False
+        if self._criu_status is not None and not any(isinstance(m, CriuStatus) for m in outbox):
+            outbox.insert(0, self._criu_status)
+        outbox.append(Spares(node=self.node_rank, ready=self.spares.ready_count))
+        for msg in outbox:
+            self._send(msg)
+        return None
+
+    def _coord_gone(self, event: CoordGone) -> int | None:
+        log.error("agent %d: no coordinator came back: %s", self.node_rank, event.why)
+        self._reconnecting = False
+        return self._save_states(event)
+
+    def _save_states(self, event: CoordGone) -> int | None:
         """No coordinator can decide any more: this node's ranks save their own state (the
         launcher makes one checkpoint of what every node's saved), then they stop."""
         if self._saving is not None:
@@ -661,10 +735,16 @@ class Agent:
         return True
 
     def _send(self, msg: Message) -> None:
+        if isinstance(msg, CriuStatus):
+            self._criu_status = msg
+        if self._outbox is not None:  # the coordinator is away: it gets this when back
+            self._outbox.append(msg)
+            return
         assert self.coord is not None
         try:
             self.coord.notify(msg.OP, **fields_of(msg))
         except WireError:
+            self._outbox = [msg]
             self._post(CoordLost())
 
     # ---- workers --------------------------------------------------------------------------
@@ -867,4 +947,6 @@ EVENT_HANDLERS: dict[type, Callable[..., int | None]] = {
     DumpNow: Agent._dump_now,
     DumpFinished: Agent._dump_finished,
     CoordLost: Agent._coord_lost,
+    CoordBack: Agent._coord_back,
+    CoordGone: Agent._coord_gone,
 }

@@ -11,6 +11,8 @@ import time
 
 from xmig import logs
 from xmig.coord.coordinator import Coordinator
+from xmig.coord.snapshot import SnapshotError
+from xmig.jobenv import COORD_RESTART as RESTART
 from xmig.jobenv import TOKEN
 from xmig.jobspec import JobSpec
 
@@ -24,8 +26,12 @@ def main() -> int:
     if not token:
         print(json.dumps({"error": "the job token is missing from the environment"}), flush=True)
         return 2
+    restart = int(os.environ.get(RESTART, "0") or 0)
     try:
-        coord = Coordinator(spec, token)
+        coord = Coordinator(spec, token, restart=restart)
+    except SnapshotError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 2
     except (RuntimeError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         reason = f"cannot listen on {spec.master_addr}:{spec.master_port}: {first}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,14 @@ from xmig.coord.orders import (
     Tick,
     ToAll,
     ToNode,
+)
+from xmig.coord.snapshot import (
+    read_snapshot,
+    restore,
+    revision,
+    snapshot,
+    snapshot_path,
+    write_snapshot,
 )
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.paths import job_folder
@@ -72,7 +81,7 @@ class _Closed:
 class Coordinator:
     """Hosts the job's store and control server; applies events to the ``Job`` in order."""
 
-    def __init__(self, spec: JobSpec, token: str) -> None:
+    def __init__(self, spec: JobSpec, token: str, restart: int = 0) -> None:
         import torch.distributed as dist  # only the coordinator and workers load torch
 
         # c10d's store listens on every interface unless handed a socket: bound to the job's
@@ -92,7 +101,13 @@ class Coordinator:
         self.server = Server(spec.master_addr, spec.coord_port, token, self._handle,
                              on_close=self._on_close, name="coord")  # fmt: skip
         launch = HostLaunch.of(spec) if spec.multi_host else None
-        self.job = Job(self.spec, started=time.time(), launch=launch)
+        self.snapshot_path = snapshot_path(job_folder(spec.job_id))
+        if restart:  # a predecessor died: take the job up from its snapshot
+            data = read_snapshot(self.snapshot_path)
+            self.job = restore(self.spec, data, time.time(), launch)
+        else:
+            self.job = Job(self.spec, started=time.time(), launch=launch)
+        self._revision: tuple[Any, ...] | None = None
         self.events_path = job_folder(spec.job_id) / "events.jsonl"
         self.events = EventLog(self.events_path)
         self.peers: dict[int, Peer] = {}  # node -> its agent's connection
@@ -149,8 +164,13 @@ class Coordinator:
     def run(self) -> None:
         """Apply events until the job has an outcome."""
         self.server.start()
-        self.events.write("job", time.time(), {"to": "starting", "job_id": self.spec.job_id,
-                                               "world_size": self.spec.world_size})  # fmt: skip
+        if self.job.restarts:
+            self.events.write("coordinator_restarted", time.time(),
+                              {"restart": self.job.restarts, "pid": os.getpid()})  # fmt: skip
+        else:
+            self.events.write("job", time.time(), {"to": "starting", "job_id": self.spec.job_id,
+                                                   "world_size": self.spec.world_size})  # fmt: skip
+        self._keep_snapshot()
         next_check = 0.0
         while not self.finished.is_set():
             wait = CHECK_INTERVAL_S
@@ -189,11 +209,26 @@ class Coordinator:
         if isinstance(event, AgentHello) and pending.refused is None:
             assert pending.peer is not None
             self.peers[event.node] = pending.peer
+        # what was decided is kept before it is carried out: a successor never finds the
+        # effects of a decision its snapshot does not know
+        self._keep_snapshot()
         for order in orders:
             self._carry_out(order, pending)
         if isinstance(event, AgentLost):
             self.peers.pop(event.node, None)
         pending.done.set()
+
+    def _keep_snapshot(self) -> None:
+        """Write what a restarted coordinator would need, when it changed."""
+        now = revision(self.job)
+        if now == self._revision:
+            return
+        try:
+            write_snapshot(self.snapshot_path, snapshot(self.job))
+            self._revision = now
+        except OSError as exc:  # the job goes on; a restart would find an older one
+            log.warning("warning: cannot write the coordinator's snapshot %s: %s",
+                        self.snapshot_path, exc)  # fmt: skip
 
     def _carry_out(self, order: Order, pending: _Pending) -> None:
         if isinstance(order, ToAll):

@@ -71,6 +71,7 @@ from xmig.protocol import (
     StopJob,
     Stopped,
     StopWorkers,
+    StoreRestarted,
     UnreachableFaults,
     Verify,
     WorkerDone,
@@ -87,6 +88,7 @@ STOP_SLACK_S = 10.0  # beyond the stop grace, how long agents may take to confir
 
 class JobState(enum.Enum):
     STARTING = "starting"  # agents connect
+    REJOINING = "rejoining"  # a restarted coordinator: its predecessor's agents reconnect
     RUNNING = "running"
     SETTLING = "settling"  # a fault: its consequences arrive before the cause is chosen
     RECOVERING = "recovering"
@@ -102,6 +104,7 @@ S = JobState
 # JobState -> the states it may go to; ``Job._enter`` enforces it
 TRANSITIONS: dict[JobState, set[JobState]] = {
     S.STARTING: {S.RUNNING, S.SETTLING, S.STOPPING},
+    S.REJOINING: {S.RUNNING, S.CHECKPOINTING, S.STOPPING, S.COMPLETED, S.FAILED},
     S.RUNNING: {S.SETTLING, S.MIGRATING, S.STOPPING, S.COMPLETED},
     S.SETTLING: {S.RECOVERING, S.CHECKPOINTING, S.STOPPING},
     S.RECOVERING: {S.RUNNING, S.RECOVERING, S.CHECKPOINTING, S.STOPPING},  # again: a retry
@@ -111,7 +114,10 @@ TRANSITIONS: dict[JobState, set[JobState]] = {
     S.COMPLETED: set(),
     S.FAILED: set(),
 }
-LIVE = (S.STARTING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATING, S.CHECKPOINTING)
+LIVE = (S.STARTING, S.REJOINING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATING,
+        S.CHECKPOINTING)  # fmt: skip
+# what a restarted coordinator handles while its agents rejoin; every other event waits
+REJOIN_EVENTS = (AgentHello, AgentLost, Tick, StatusRequest, StopJob)
 RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
 MIGRATION_EVENTS = (Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
 CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
@@ -119,6 +125,18 @@ CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
 
 class IllegalTransition(AssertionError):
     """A decision that the transition table forbids: a bug, never a user error."""
+
+
+@dataclass
+class Rejoin:
+    """A restarted coordinator waiting for the agents of its predecessor (``expected``)."""
+
+    before: JobState  # the job's state when the snapshot was written
+    busy: dict[str, Any] | None  # what it was in the middle of (``snapshot.busy_with``)
+    expected: set[int]
+    started: float
+    deadline: float
+    deferred: list[Any] = field(default_factory=list)  # events that came meanwhile
 
 
 @dataclass
@@ -178,6 +196,9 @@ class Job:
     total_steps: int | None = None  # as the script's step loop said
     warned: set[str] = field(default_factory=set)
     retiring: set[int] = field(default_factory=set)  # processes whose end is expected
+    restarts: int = 0  # how many coordinators ran this job before this one
+    coordinator_restarts: list[dict[str, Any]] = field(default_factory=list)
+    rejoin: Rejoin | None = None  # set while a restarted coordinator waits for its agents
 
     def __post_init__(self) -> None:
         self.worker_pids = {r: [] for r in range(self.spec.world_size)}
@@ -188,6 +209,9 @@ class Job:
         """Apply ``event``; the orders it calls for. Raises ``Refused`` for a request that
         cannot be carried out."""
         orders: list[Order] = []
+        if self.rejoin is not None and not isinstance(event, REJOIN_EVENTS):
+            self.rejoin.deferred.append(event)
+            return []
         handler = HANDLERS.get(type(event))
         if handler is not None:
             orders += handler(self, event, now)
@@ -232,6 +256,8 @@ class Job:
 
     # ---- agents and workers ------------------------------------------------------------------
     def _agent_hello(self, msg: AgentHello, now: float) -> list[Order]:
+        if self.rejoin is not None:
+            return self._agent_rejoined(msg, now)
         self._check_host(msg)
         self.agents.add(msg.node)
         self.agent_pids[msg.node] = msg.pid
@@ -242,6 +268,80 @@ class Job:
         if set(range(self.spec.nnodes)) <= self.agents and self.state is S.STARTING:
             orders += self._enter(S.RUNNING, now)
         return [*orders, Reply({"job": self.spec.to_json(), "generation": self.generation})]
+
+    # ---- a restarted coordinator --------------------------------------------------------------
+    def _agent_rejoined(self, msg: AgentHello, now: float) -> list[Order]:
+        """An agent of the job's nodes reconnected to this (restarted) coordinator and said
+        which workers it holds."""
+        assert self.rejoin is not None
+        if msg.node in self.lost_nodes:
+            raise Refused(f"node {msg.node} was given up before the coordinator restarted")
+        self._check_host(msg)
+        self.agents.add(msg.node)
+        self.agent_pids[msg.node] = msg.pid
+        if msg.netns is not None:
+            self.agent_netns[msg.node] = msg.netns
+        for held in msg.workers or []:
+            rank = int(held["rank"])
+            before = self.members.get(rank)
+            self.members[rank] = Member(msg.node, int(held["pid"]), int(held["attempt"]),
+                                        before.from_spare if before else False)  # fmt: skip
+            if int(held["pid"]) not in self.worker_pids.setdefault(rank, []):
+                self.worker_pids[rank].append(int(held["pid"]))
+            if held.get("step") is not None:
+                self.progress[rank] = int(held["step"])
+            if held.get("state") in ("running", "done"):  # it said hello: xmig.init() ran
+                self.joined.add(rank)
+        orders: list[Order] = [Note("agent", {"node": msg.node, "pid": msg.pid,
+                                              "rejoined": True})]  # fmt: skip
+        reply = Reply({"job": self.spec.to_json(), "generation": self.generation})
+        if self.rejoin.expected <= self.agents:
+            orders += self._rejoined(now)
+        return [*orders, reply]
+
+    def _rejoined(self, now: float) -> list[Order]:
+        """Every agent is back (or the wait is over): go on where the previous coordinator
+        was, or, if it was in the middle of something that cannot be taken up again, save the
+        state and stop."""
+        rejoin, self.rejoin = self.rejoin, None
+        assert rejoin is not None
+        missing = sorted(rejoin.expected - self.agents)
+        busy = rejoin.busy["what"] if rejoin.busy else None
+        record = {"restart": self.restarts, "t": now, "state_before": rejoin.before.value,
+                  "busy": busy, "missing_nodes": missing, "generation": self.generation,
+                  "rejoin_s": round(now - rejoin.started, 4)}  # fmt: skip
+        self.coordinator_restarts.append(record)
+        orders: list[Order] = [Note("rejoined", record), ToAll(StoreRestarted(
+            master_addr=self.spec.master_addr, master_port=self.spec.master_port))]  # fmt: skip
+        gone = f"; nodes {missing} did not come back" if missing else ""
+        before = rejoin.before
+        if before in (S.COMPLETED, S.FAILED):
+            return [*orders, *self._enter(before, now), self._finish(now)]
+        if before is S.STOPPING:
+            return [*orders, *self._stop(self.reason or "stopping", now)]
+        if busy is None and before in (S.STARTING, S.RUNNING):
+            orders += self._enter(S.RUNNING, now)
+            orders.append(Say(f"coordinator restarted (restart {self.restarts}): the job goes "
+                              f"on at generation {self.generation}{gone}"))  # fmt: skip
+            for node in missing:
+                self.agents.add(node)  # lost now, as any node whose agent goes
+                orders += self._agent_lost(AgentLost(node), now)
+        else:
+            # a plan half carried out cannot be taken up again from here (the processes'
+            # places in it are unknown): what is held is saved and the job stops
+            what = busy or before.value
+            self.reason = f"the coordinator was restarted during a {what}"
+            skip = set(rejoin.busy["ranks"]) if rejoin.busy else set()
+            holders = [r for r, m in sorted(self.members.items())
+                       if r not in skip and m.node in self.agents]  # fmt: skip
+            ending = [ToNode(m.node, EndRank(rank=r, pid=m.pid)) for r, m in self.members.items()
+                      if r in skip and m.attempt > 0 and m.node in self.agents]  # fmt: skip
+            orders += [Say(f"coordinator restarted (restart {self.restarts}) during a {what}"
+                           f"{gone}: the job saves its state and stops"), *ending,
+                       *self._save(holders, now)]  # fmt: skip
+        for event in rejoin.deferred:
+            orders += self.on(event, now)
+        return orders
 
     def _check_host(self, msg: AgentHello) -> None:
         """Refuse an agent of a node that does not exist or has joined, or a host whose
@@ -373,6 +473,9 @@ class Job:
         node = event.node
         if node not in self.agents:
             return []  # already handled (its connection closed and it went silent)
+        if self.rejoin is not None:  # counted as not back when every other one is
+            self.agents.discard(node)
+            return [Note("agent_lost", {"node": node, "rejoining": True})]
         self.agents.discard(node)
         if self.state not in LIVE:
             self.stopped_nodes.add(node)
@@ -733,6 +836,8 @@ class Job:
         return Finish(summary.summary(self, now))
 
     def _deadlines(self, now: float) -> list[Order]:
+        if self.rejoin is not None:
+            return self._rejoined(now) if now >= self.rejoin.deadline else []
         if self.state is S.SETTLING and now >= self.settle_until:
             return self._settle(now)
         joining = self.started + self.spec.agent_connect_timeout

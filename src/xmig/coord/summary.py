@@ -134,6 +134,8 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "agent_netns": {str(n): i for n, i in sorted(job.agent_netns.items())},
         # where the state was saved when a fault could not be recovered (None: no such fault)
         "jit_checkpoint": job.jit_checkpoint,
+        # each time the coordinator was started again, and how the job went on
+        "coordinator_restarts": job.coordinator_restarts,
         "resumed_from": job.spec.resume,
         "stop_s": round(job.stop_s or 0.0, 4) if not completed else None,
         "duration_s": round(now - job.started, 3),

@@ -17,6 +17,7 @@ from xmig import __version__, logs
 from xmig.faults.spec import FaultSpecError, parse_faults
 from xmig.jobspec import (
     DEFAULT_AGENT_CONNECT_TIMEOUT_S,
+    DEFAULT_COORDINATOR_RESTARTS,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_HOST_JOIN_TIMEOUT_S,
@@ -29,6 +30,7 @@ from xmig.jobspec import (
     DEFAULT_NNODES,
     DEFAULT_NPROC_PER_NODE,
     DEFAULT_RECOVERY_TIMEOUT_S,
+    DEFAULT_REJOIN_TIMEOUT_S,
     DEFAULT_SIMULATE_HOSTS,
     DEFAULT_SPARE_NODES,
     DEFAULT_STOP_GRACE_S,
@@ -129,6 +131,23 @@ def run(
             "the job's id.",
         ),
     ] = None,
+    coordinator_restarts: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Start the coordinator again this many times if it dies: it takes "
+            "the job up from its last snapshot, its agents rejoin, the workers go on "
+            "(0: a lost coordinator stops the job, every rank's state saved).",
+        ),
+    ] = DEFAULT_COORDINATOR_RESTARTS,
+    rejoin_timeout: Annotated[
+        float,
+        typer.Option(
+            metavar="S",
+            help="How long agents wait for a coordinator that died to come back, and "
+            "a restarted one for its agents.",
+        ),
+    ] = DEFAULT_REJOIN_TIMEOUT_S,
     join_timeout: Annotated[
         float | None,
         typer.Option(
@@ -266,19 +285,21 @@ def run(
         raise click.UsageError(f"--rdzv-backend must be c10d or static, got {rdzv_backend!r}")
     token = None
     host: dict[str, Any] = {}
+    if join_timeout is None:
+        join_timeout = (DEFAULT_HOST_JOIN_TIMEOUT_S if rdzv_endpoint is not None
+                        else DEFAULT_AGENT_CONNECT_TIMEOUT_S)  # fmt: skip
+    if join_timeout <= 0:
+        raise click.UsageError(f"--join-timeout must be positive, got {join_timeout}")
     if rdzv_endpoint is not None:
         token, host = _multi_host(rdzv_endpoint, rdzv_id, node_rank, token_file,
-                                  simulate_hosts, master_addr, nodes + spare_nodes)  # fmt: skip
+                                  simulate_hosts, master_addr, nodes + spare_nodes,
+                                  join_timeout)  # fmt: skip
         master_addr = host["master_addr"]
     elif node_rank is not None or rdzv_id is not None or token_file is not None:
         raise click.UsageError("--node-rank, --rdzv-id and --token-file go with "
                                "--rdzv-endpoint (one launcher per host)")  # fmt: skip
     # the spec checks every number (JobSpecError); the faults come after the hosts' checks
     job_id = host.get("job_id") or time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex()
-    if join_timeout is None:
-        join_timeout = DEFAULT_HOST_JOIN_TIMEOUT_S if host else DEFAULT_AGENT_CONNECT_TIMEOUT_S
-    if join_timeout <= 0:
-        raise click.UsageError(f"--join-timeout must be positive, got {join_timeout}")
     spec = _job_spec(
         JobSpec,
         job_id=job_id,
@@ -304,6 +325,8 @@ def run(
         checkpoint_dir=str((checkpoint_dir or job_folder(job_id)).resolve()),
         resume=str(resume.resolve()) if resume is not None else None,
         agent_connect_timeout=join_timeout,
+        coordinator_restarts=coordinator_restarts,
+        rejoin_timeout=rejoin_timeout,
         multi_host=bool(host),
         coord_port=host.get("coord_port", 0),
     )
@@ -379,7 +402,7 @@ def _parse_nnodes(text: str, elastic: bool) -> tuple[int, int]:
 
 def _multi_host(endpoint: str, rdzv_id: str | None, node_rank: int | None,
                 token_file: Path | None, simulate_hosts: bool, master_addr: str,
-                all_nodes: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+                all_nodes: int, join_timeout: float) -> tuple[str, dict[str, Any]]:  # fmt: skip
     """The token and the spec's fields of a job with one launcher per host."""
     from xmig.launch.multihost import (
         MultiHostError,
@@ -403,7 +426,8 @@ def _multi_host(endpoint: str, rdzv_id: str | None, node_rank: int | None,
                                f"{all_nodes} host(s), got {node_rank}")  # fmt: skip
     try:
         job_id = check_rdzv_id(rdzv_id)
-        address, port = parse_endpoint(endpoint)
+        # node 0 must be the host the name stands for; another may start before it has one
+        address, port = parse_endpoint(endpoint, within=join_timeout if node_rank else 0.0)
         token = job_token(read_secret(token_file), job_id)
     except MultiHostError as exc:
         raise click.UsageError(str(exc)) from None

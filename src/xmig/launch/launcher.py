@@ -11,6 +11,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,13 +24,21 @@ import psutil
 
 from xmig.coord.checkpoint import saved_states_complete, seal_saved_states
 from xmig.coord.migration import job_images
-from xmig.jobenv import HOST_LAUNCH, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN
+from xmig.jobenv import COORD_RESTART, HOST_LAUNCH, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
 from xmig.paths import jobs_dir
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
 from xmig.state.checkpoint import lost_coordinator_folder
-from xmig.wire import AuthError, Client, WireError, connect_retrying, format_address, parse_address
+from xmig.wire import (
+    AuthError,
+    Client,
+    RemoteError,
+    WireError,
+    connect_retrying,
+    format_address,
+    parse_address,
+)
 
 COORDINATOR_START_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 15.0
@@ -52,13 +61,22 @@ class JobFile:
     token: str
     launcher_pid: int
     launcher_started: float | None = None  # the launcher's create_time(), against PID reuse
+    host: str | None = None  # the machine of the launcher (a shared home holds others')
 
     @classmethod
     def load(cls, path: Path) -> JobFile:
         return cls(**json.loads(path.read_text()))
 
+    @property
+    def elsewhere(self) -> bool:
+        """Written by a launcher on another machine, whose processes this one cannot see."""
+        return self.host is not None and self.host != socket.gethostname()
+
     def is_live(self) -> bool:
-        """Whether the launcher that wrote this file still runs."""
+        """Whether the launcher that wrote this file still runs (another machine's: assumed
+        so, it cannot be told from here)."""
+        if self.elsewhere:
+            return True
         try:
             proc = psutil.Process(self.launcher_pid)
             if proc.status() == psutil.STATUS_ZOMBIE:
@@ -88,6 +106,9 @@ def remove_stale_jobs(folder: Path | None = None) -> list[Path]:
     folder = jobs_dir() if folder is None else folder
     removed = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if JobFile.load(path).elsewhere:
+                continue  # another machine's launcher: not for this one to judge
         if _live_job(path) is None:
             try:
                 path.unlink(missing_ok=True)
@@ -102,14 +123,15 @@ def remove_stale_jobs(folder: Path | None = None) -> list[Path]:
 def find_job(job_id: str | None) -> JobFile:
     """The running job named ``job_id``, or the only running one."""
     folder = jobs_dir()
-    if job_id:
-        path = folder / f"{job_id}.json"
-        job = _live_job(path) if path.exists() else None
-        if job is None:
-            raise LaunchError(f"no running job {job_id!r} (looked in {folder})")
-        return job
     found = sorted(folder.glob("*.json")) if folder.is_dir() else []
     live = [job for job in map(_live_job, found) if job is not None]
+    # a job with one launcher per host has a file per host: one job, whichever host's
+    mine = {j.job_id: j for j in sorted(live, key=lambda j: not j.elsewhere)}
+    if job_id:
+        if job_id not in mine:
+            raise LaunchError(f"no running job {job_id!r} (looked in {folder})")
+        return mine[job_id]
+    live = list(mine.values())
     if not live:
         raise LaunchError(f"no running xmig job found (looked in {folder})")
     if len(live) > 1:
@@ -181,6 +203,8 @@ class Launcher:
         self.node_rank = node_rank
         self.hosts_coordinator = node_rank in (None, 0)
         self._refused = False  # this host's agent was not taken into the job
+        self._restarts = 0  # coordinators started again
+        self._left = False  # this host was told to leave the job (SIGTERM, not node 0)
         self.coordinator: subprocess.Popen | None = None
         self.agents: list[subprocess.Popen] = []
         self.client: Client | None = None
@@ -198,12 +222,15 @@ class Launcher:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _start_coordinator(self) -> str:
+    def _start_coordinator(self, restart: int = 0) -> str:
+        env = self._env()
+        if restart:  # it takes the job up from its predecessor's snapshot
+            env[COORD_RESTART] = str(restart)
         self.coordinator = subprocess.Popen(
             [sys.executable, "-m", "xmig.coord"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=self._env(),
+            env=env,
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
@@ -213,8 +240,11 @@ class Launcher:
         ready = _read_ready_line(self.coordinator, COORDINATOR_START_TIMEOUT_S)
         if "error" in ready:
             raise LaunchError(ready["error"])
-        self.spec = replace(self.spec, master_port=int(ready["master_port"]))
-        return str(ready["address"])
+        address = str(ready["address"])
+        # a coordinator started again listens where this one does, for the agents to find it
+        self.spec = replace(self.spec, master_port=int(ready["master_port"]),
+                            coord_port=parse_address(address)[1])  # fmt: skip
+        return address
 
     @property
     def local_nodes(self) -> list[int]:
@@ -272,10 +302,13 @@ class Launcher:
     def _write_job_file(self, address: str) -> None:
         folder = jobs_dir()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = folder / f"{self.spec.job_id}.json"
+        # with one launcher per host, each host's own (a home folder the hosts share)
+        name = self.spec.job_id if self.node_rank is None else (
+            f"{self.spec.job_id}.node{self.node_rank}")  # fmt: skip
+        path = folder / f"{name}.json"
         # written aside and renamed: another launcher's clean-up must never see it half written
         # (an unreadable job file counts as stale)
-        partial = folder / f".{self.spec.job_id}.json.partial"
+        partial = folder / f".{name}.json.partial"
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump(
@@ -285,6 +318,7 @@ class Launcher:
                     "token": self.token,
                     "launcher_pid": os.getpid(),
                     "launcher_started": psutil.Process().create_time(),
+                    "host": socket.gethostname(),
                 },
                 out,
             )
@@ -298,6 +332,16 @@ class Launcher:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
+        if not self.hosts_coordinator and self._interrupted is None:
+            # one host of several is told to go (a drained node, an evicted pod): it leaves
+            # the job, which goes on without it (a spare host takes its ranks)
+            self._interrupted = name
+            print(f"xmig: {name}: this host (node rank {self.node_rank}) leaves the job; "
+                  "its ranks go to a spare host", file=sys.stderr, flush=True)  # fmt: skip
+            kill_pids([p.pid for p in self.agents if p.poll() is None])
+            self._left = True
+            self._result_ready.set()
+            return
         if self._interrupted is not None:
             print(f"xmig: {name} again: killing the job now", file=sys.stderr, flush=True)
             self._kill_all()
@@ -308,9 +352,10 @@ class Launcher:
             with contextlib.suppress(WireError):
                 self.client.notify("stop", reason=f"interrupted by {name}")
 
-    def _connect(self, address: str) -> None:
+    def _connect(self, address: str, within: float | None = None) -> None:
         """This launcher's connection to the coordinator, for the job's outcome."""
-        within = self.spec.agent_connect_timeout if not self.hosts_coordinator else 10.0
+        if within is None:
+            within = self.spec.agent_connect_timeout if not self.hosts_coordinator else 10.0
         try:
             self.client = connect_retrying(parse_address(address), self.token, within,
                                            info={"role": "launcher"}, on_push=self._on_push,
@@ -361,7 +406,12 @@ class Launcher:
                     file=sys.stderr,
                     flush=True,
                 )
-            self._result_ready.wait()
+            while True:
+                self._result_ready.wait()
+                if self._left:
+                    return 128 + int(signal.Signals[self._interrupted or "SIGTERM"])
+                if self._result is not None or self._refused or not self._coordinator_back():
+                    break
             summary = self._result
             if summary is None and self._refused:
                 print(
@@ -386,6 +436,40 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _coordinator_back(self) -> bool:
+        """The coordinator's connection ended with no outcome: start it again (the
+        coordinator's host) and connect to it; False when it cannot be."""
+        if self._restarts >= self.spec.coordinator_restarts:
+            return False
+        self._restarts += 1
+        self._result_ready.clear()
+        address = format_address((self.spec.master_addr, self.spec.coord_port))
+        count = f"{self._restarts} of {self.spec.coordinator_restarts}"
+        if self.hosts_coordinator:
+            assert self.coordinator is not None
+            try:
+                code = self.coordinator.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:  # its connection is gone: it cannot serve
+                stop_process(self.coordinator, grace=1.0)
+                code = self.coordinator.returncode
+            print(f"xmig: the coordinator died (exit {code}); starting it again ({count})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            try:
+                self._start_coordinator(restart=self._restarts)
+            except LaunchError as exc:
+                print(f"xmig: the coordinator could not be started again: {exc}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return False
+        try:
+            self._connect(address, within=self.spec.rejoin_timeout)
+            assert self.client is not None
+            self.client.call("wait_result")
+        except (LaunchError, WireError, RemoteError) as exc:
+            print(f"xmig: no coordinator at {address} again: {exc}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return False
+        return True
+
     def _say_started(self, address: str) -> None:
         spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
         here = ""
@@ -406,7 +490,8 @@ class Launcher:
         code = self.coordinator.wait() if self.coordinator else None
         print(f"xmig: the coordinator died (exit {code}) before the job ended; the ranks save "
               "their state and stop", file=sys.stderr, flush=True)  # fmt: skip
-        deadline = lost + self.spec.recovery_timeout + self.spec.stop_grace + SAVE_SLACK_S
+        deadline = (lost + self.spec.rejoin_timeout + self.spec.recovery_timeout
+                    + self.spec.stop_grace + SAVE_SLACK_S)  # fmt: skip
         for proc in self.agents:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -23,9 +23,11 @@ import os
 import re
 import socket
 import stat
+import time
 from pathlib import Path
 
 SECRET_ENV = "XMIG_SECRET"
+RESOLVE_INTERVAL_S = 1.0
 MIN_SECRET_CHARS = 16
 RDZV_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -77,8 +79,10 @@ def job_token(secret: str, rdzv_id: str) -> str:
     return hmac.new(secret.encode(), f"xmig job {rdzv_id}".encode(), hashlib.sha256).hexdigest()
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``--rdzv-endpoint HOST:PORT`` as (the address HOST resolves to, PORT)."""
+def parse_endpoint(text: str, within: float = 0.0) -> tuple[str, int]:
+    """``--rdzv-endpoint HOST:PORT`` as (the address HOST resolves to, PORT); a name that
+    does not resolve yet (a pod's, until it has an address) is tried again for ``within``
+    seconds."""
     host, sep, port_text = text.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) <= 65535:
@@ -89,8 +93,14 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         return host, int(port_text)
     except ValueError:
         pass
-    try:
-        found = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise MultiHostError(f"--rdzv-endpoint: cannot resolve {host!r}: {exc}") from None
-    return str(found[0][4][0]), int(port_text)
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            found = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
+            return str(found[0][4][0]), int(port_text)
+        except OSError as exc:
+            if time.monotonic() + RESOLVE_INTERVAL_S > deadline:
+                waited = f" (tried for {within:.0f} s)" if within else ""
+                raise MultiHostError(f"--rdzv-endpoint: cannot resolve {host!r}: "
+                                     f"{exc}{waited}") from None  # fmt: skip
+            time.sleep(RESOLVE_INTERVAL_S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -65,6 +66,10 @@ def dtensor_shard(model: torch.nn.Module, rank: int) -> str:
             mine = where[0].tolist()
             return ",".join(str(mine[d]) for d, p in enumerate(placements) if not p.is_replicate())
     return "?"
+
+
+def _with_store(env: WorkerEnv, order: protocol.StoreRestarted) -> WorkerEnv:
+    return dataclasses.replace(env, master_addr=order.master_addr, master_port=order.master_port)
 
 
 class WorkerContext:
@@ -144,6 +149,14 @@ class WorkerContext:
         if env is not None:
             self.env = env
         self.link = AgentLink(self.env, on_inject=self.injector.add, on_order=self.orders.put)
+
+    def store_restarted(self, order: protocol.StoreRestarted) -> None:
+        """A restarted coordinator hosts the job's store anew: the next communicators are
+        built through a connection to it (those built go on without the store)."""
+        self.env = _with_store(self.env, order)
+        self.comms.reconnect(_with_store(self.comms.env, order))
+        logger.info("rank %d: reconnected to the job's store at %s:%d", self.rank,
+                    order.master_addr, order.master_port)  # fmt: skip
 
     def send(self, msg: protocol.Message) -> None:
         """A report to the agent or the coordinator; nothing without an agent."""
