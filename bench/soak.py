@@ -10,9 +10,10 @@
    without a hot spare. Each run must end bit-identical to the fault-free run of its size, or
    stop cleanly with a checkpoint whose resume is bit-identical, or stop cleanly with nothing
    left to save (no rank that holds the state alive).
-2. xmig's own processes: the coordinator SIGKILLed mid-run and mid-recovery, an agent
-   SIGKILLed, the launcher SIGKILLed, a hot spare SIGKILLed before it is used; each checked
-   the same way, and for no process of the job left behind.
+2. xmig's own processes: the coordinator SIGKILLed mid-run and mid-recovery (started again
+   by its launcher), and for good (``--coordinator-restarts 0``), an agent SIGKILLed, the
+   launcher SIGKILLed, a hot spare SIGKILLed before it is used; each checked the same way,
+   and for no process of the job left behind.
 3. Goodput: one long run with a kill every ``--every`` steps against the same run without
    faults (the fault-free time over the faulty one, a resume's time included).
 
@@ -240,6 +241,8 @@ class Soak:
         if what == "coordinator mid-recovery":
             extra = ["--inject", "kill:rank=1:step=4:at=backward"]
             layout = ["--nproc-per-node", "2", "--hot-spares", "0"]
+        if what == "coordinator for good":
+            layout = [*layout, "--coordinator-restarts", "0"]
         self.count += 1
         folder = self.work / f"process-{self.count}"
         folder.mkdir()
@@ -503,6 +506,7 @@ def main() -> int:
             for what in (
                 "coordinator mid-run",
                 "coordinator mid-recovery",
+                "coordinator for good",
                 "agent",
                 "launcher",
                 "hot spare",
