@@ -12,6 +12,7 @@ from xmig.coord.snapshot import SnapshotError, restore, revision, snapshot
 from xmig.protocol import (
     AgentHello,
     EndRank,
+    MigrateRequest,
     Park,
     Progress,
     Respawn,
@@ -19,6 +20,7 @@ from xmig.protocol import (
     StoreRestarted,
     WorkerDone,
     WorkerExited,
+    WorkerJoined,
 )
 
 S = JobState
@@ -84,8 +86,8 @@ def test_an_agent_that_does_not_come_back_is_a_lost_node():
     assert "nodes [1] did not come back" in said(orders)[0]
 
 
-def test_a_recovery_in_progress_is_not_taken_up_the_state_is_saved():
-    job = running_job(nnodes=2, checkpoint_dir="/ck")
+def test_a_recovery_in_progress_starts_over_rolling_the_step_back():
+    job = running_job(nnodes=2)
     job.on(kill(1), T0)
     job.on(Tick(), T0 + SETTLE_WINDOW_S)
     job.members[1].attempt, job.members[1].pid = 1, 301  # its replacement had started
@@ -93,10 +95,44 @@ def test_a_recovery_in_progress_is_not_taken_up_the_state_is_saved():
     job = restarted(job)
     rejoin(job, 0)
     orders = rejoin(job, 1, pid=301, attempt=1)
+    assert job.state is S.RECOVERING and job.generation == 2
+    assert sent(orders, EndRank) == [(1, EndRank(rank=1, pid=301))] and 301 in job.retiring
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1]))]
+    ((node, respawn),) = sent(orders, Respawn)
+    assert node == 1 and respawn.attempt == 2 and respawn.generation == 2
+    assert job.recovery is not None and "restarted during the recovery" in job.recovery.no_replay
+    assert "during the recovery: it starts over" in " ".join(said(orders))
+    # the ended replacement's hello, kept by its agent while the coordinator was away, is not
+    # the new replacement's
+    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=LATER), LATER)
+    assert 1 not in job.recovery.joined
+    job.on(WorkerJoined(rank=1, pid=302, attempt=2, t=LATER + 1), LATER + 1)
+    assert 1 in job.recovery.joined
+
+
+def test_a_fault_being_settled_is_settled_by_the_restarted_coordinator():
+    job = running_job(nnodes=2)
+    job.on(kill(1), T0)  # the window is open when the coordinator dies
+    job = restarted(job)
+    rejoin(job, 0)
+    orders = rejoin(job, 1)
+    assert job.state is S.RECOVERING and job.generation == 1
+    assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
+    assert [f.rank for f in job.faults] == [1]
+
+
+def test_a_migration_in_progress_is_not_taken_up_the_state_is_saved():
+    job = running_job(nnodes=2, spare_nodes=1, checkpoint_dir="/ck")
+    job.on(MigrateRequest(rank=1, to=2), T0)
+    assert job.state is S.MIGRATING
+    job = restarted(job)
+    for node in (0, 1):
+        rejoin(job, node)
+    orders = job.on(AgentHello(node=2, pid=102, netns=None, workers=[]), LATER)
     assert job.state is S.CHECKPOINTING
-    assert job.reason == "the coordinator was restarted during a recovery"
-    assert sent(orders, EndRank) == [(1, EndRank(rank=1, pid=301))]
+    assert job.reason == "the coordinator was restarted during a migration"
     assert job.checkpoint is not None and job.checkpoint.holders == [0]
+    assert "the job saves its state and stops" in " ".join(said(orders))
 
 
 @pytest.mark.parametrize("before", [S.COMPLETED, S.STOPPING])

@@ -302,9 +302,10 @@ def test_a_restarted_coordinator_takes_the_job_up_and_recovers_a_later_fault(
     assert recovery["ranks"] == [1] and recovery["verified"] is True
 
 
-def test_a_coordinator_restarted_during_a_recovery_saves_the_state(tmp_path, tmp_path_factory):
-    """A recovery half carried out cannot be taken up again by a new coordinator: the
-    survivors save their state, the replacement is ended, and the resume is bit-identical."""
+def test_a_recovery_the_coordinator_died_in_starts_over(tmp_path, tmp_path_factory):
+    """The coordinator SIGKILLed in the middle of a recovery: the restarted one does not know
+    where each process stood in the plan, so it ends the replacement and starts the recovery
+    over, rolling the step back on every rank; the run ends bit-identical."""
     two = ["--nproc-per-node", "2", *FAST]
     expected = fault_free_sha256([*two, *SLOW_DEMO], tmp_path_factory)
     proc = start_run([*two, "--inject", "kill:rank=1:step=4:at=backward", *SLOW_DEMO], tmp_path)
@@ -314,13 +315,16 @@ def test_a_coordinator_restarted_during_a_recovery_saves_the_state(tmp_path, tmp
     coordinator.kill()  # the replacement starts from scratch meanwhile (~2 s)
     result = finish_run(proc, tmp_path, timeout=120)
     result.output = seen + result.output
-    (restart,) = result.summary["coordinator_restarts"]
-    assert restart["busy"] == "recovery"
-    assert "the coordinator was restarted during a recovery" in result.summary["message"]
-    folder, command = stopped_with_checkpoint(result)
-    resumed = resume(command, tmp_path)
-    assert resumed.returncode == 0, resumed.output
-    assert resumed.summary["final_params_sha256"] == expected
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected, "not bit-identical"
+    (restart,) = summary["coordinator_restarts"]
+    assert restart["busy"] == "recovery" and restart["state_before"] == "recovering"
+    assert "during the recovery: it starts over" in result.output
+    (recovery,) = summary["recoveries"]
+    assert recovery["generation"] == 2 and recovery["mode"] == "rollback"
+    assert len(summary["worker_pids"]["0"]) == 1  # the survivor kept its process
+    assert len(summary["worker_pids"]["1"]) == 3  # killed, the first replacement ended, the second
 
 
 def test_a_lost_agent_saves_the_other_nodes_ranks(tmp_path, tmp_path_factory):

@@ -104,7 +104,15 @@ S = JobState
 # JobState -> the states it may go to; ``Job._enter`` enforces it
 TRANSITIONS: dict[JobState, set[JobState]] = {
     S.STARTING: {S.RUNNING, S.SETTLING, S.STOPPING},
-    S.REJOINING: {S.RUNNING, S.CHECKPOINTING, S.STOPPING, S.COMPLETED, S.FAILED},
+    S.REJOINING: {
+        S.RUNNING,
+        S.SETTLING,
+        S.RECOVERING,
+        S.CHECKPOINTING,
+        S.STOPPING,
+        S.COMPLETED,
+        S.FAILED,
+    },  # fmt: skip
     S.RUNNING: {S.SETTLING, S.MIGRATING, S.STOPPING, S.COMPLETED},
     S.SETTLING: {S.RECOVERING, S.CHECKPOINTING, S.STOPPING},
     S.RECOVERING: {S.RUNNING, S.RECOVERING, S.CHECKPOINTING, S.STOPPING},  # again: a retry
@@ -212,6 +220,8 @@ class Job:
         if self.rejoin is not None and not isinstance(event, REJOIN_EVENTS):
             self.rejoin.deferred.append(event)
             return []
+        if isinstance(event, (WorkerStarted, WorkerJoined)) and event.pid in self.retiring:
+            return []  # a process of a plan given up: it is being ended
         handler = HANDLERS.get(type(event))
         if handler is not None:
             orders += handler(self, event, now)
@@ -326,6 +336,26 @@ class Job:
             for node in missing:
                 self.agents.add(node)  # lost now, as any node whose agent goes
                 orders += self._agent_lost(AgentLost(node), now)
+        elif busy == "fault" and self.batch:  # the fault is settled now
+            orders += [*self._enter(S.SETTLING, now), Say(
+                f"coordinator restarted (restart {self.restarts}) while a fault was settled"
+                f"{gone}")]  # fmt: skip
+            orders += self._settle(now)
+        elif busy == "recovery" and self.primary is not None and not missing:
+            # the recovery starts over: where each process stood in the old plan is not
+            # known, so its replacements end and every rank rolls the step back
+            assert rejoin.busy is not None
+            replaced = list(rejoin.busy["ranks"])
+            for rank in replaced:
+                member = self.members.get(rank)
+                if member is not None and member.attempt > 0 and member.node in self.agents:
+                    self.retiring.add(member.pid)
+                    orders.append(ToNode(member.node, EndRank(rank=rank, pid=member.pid)))
+            orders.append(Say(f"coordinator restarted (restart {self.restarts}) during the "
+                              "recovery: it starts over"))  # fmt: skip
+            orders += self._start_recovery(self.primary, replaced, now,
+                                           no_replay="the coordinator was restarted during "
+                                           "the recovery")  # fmt: skip
         else:
             # a plan half carried out cannot be taken up again from here (the processes'
             # places in it are unknown): what is held is saved and the job stops

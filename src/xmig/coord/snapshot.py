@@ -129,8 +129,7 @@ def restore(spec: JobSpec, data: dict[str, Any], now: float,
         job.restarts = int(data["restarts"]) + 1
         job.coordinator_restarts = list(data["coordinator_restarts"])
         busy = data["busy"]
-        if data["batch"] and busy is not None:  # a fault not yet settled is in the log
-            job.faults += [FaultRecord(**f) for f in data["batch"]]
+        job.batch = [FaultRecord(**f) for f in data["batch"]]  # a fault not yet settled
         before = JobState(data["state"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"the coordinator's snapshot cannot be read: {exc}") from None
