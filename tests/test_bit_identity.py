@@ -36,7 +36,8 @@ def reference(tmp_path_factory, world, pattern, workers):
                  marks=pytest.mark.long),
     pytest.param("batches", 2, 2, "exit:rank=0:step=5:at=boundary", "unverifiable",
                  marks=pytest.mark.long),
-    ("generator", 0, 3, "exit:rank=0:step=5:at=boundary", "unverifiable"),
+    pytest.param("generator", 0, 3, "exit:rank=0:step=5:at=boundary", "unverifiable",
+                 marks=pytest.mark.long),
 ])  # fmt: skip
 def test_batches_drawn_through_the_session_recover_bit_identically(
     tmp_path, tmp_path_factory, pattern, workers, world, fault, verified
@@ -130,8 +131,9 @@ def test_xmig_check_passes_a_script_that_recovers_bit_identically(tmp_path):
                  "function of the step", marks=pytest.mark.long),
     pytest.param("iterator", "differs at forward 0 of step 3: the batch is not a function of "
                  "the step", marks=pytest.mark.long),
-    ("own-generator", "differs at collective 0 of step 3 (allreduce): its batches are the "
-                      "original rank's, so random numbers or other state differ"),
+    pytest.param("own-generator", "differs at collective 0 of step 3 (allreduce): its batches "
+                 "are the original rank's, so random numbers or other state differ",
+                 marks=pytest.mark.long),
     pytest.param("scheduler", "state that changes in the loop is not registered",
                  marks=pytest.mark.long),
 ])  # fmt: skip

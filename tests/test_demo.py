@@ -67,6 +67,7 @@ def test_different_seed_gives_different_parameters(tmp_path):
     assert base != other
 
 
+@pytest.mark.long  # test_nodes.py's simulated hosts train like one host in CI
 def test_two_nodes_match_one_node(tmp_path):
     one = _train(tmp_path, "a").summary
     two = _train(tmp_path, "b", layout=("--nnodes", "2", "--nproc-per-node", "1")).summary

@@ -94,7 +94,6 @@ def check_outcome(ranks, faults, tmp_path, tmp_path_factory):
 # (at rebuild, the survivor is left waiting in a communicator's meeting for the dead rank)
 @example(case=(3, ["kill:rank=1:step=2:at=backward", "kill:rank=2:step=2:at=pull"]))
 @example(case=(3, ["kill:rank=0:step=5:at=boundary", "kill:rank=1:step=5:at=rebuild"]))
-@example(case=(2, ["exit:rank=0:step=3:at=forward", "kill:rank=1:step=3:at=replay"]))
 def test_every_fault_ends_bit_identical_or_in_a_clean_stop_that_resumes(case, tmp_path_factory):
     ranks, faults = case
     check_outcome(ranks, faults, tmp_path_factory.mktemp("case"), tmp_path_factory)

@@ -21,6 +21,7 @@ def reference(tmp_path_factory, layout="hsdp"):
     return fault_free_sha256(job(layout=layout), tmp_path_factory)
 
 
+@pytest.mark.long  # the HSDP recoveries compare with the reference in CI
 def test_hsdp_runs_alike_twice_and_its_fingerprint_covers_both_shards(tmp_path, tmp_path_factory):
     expected = reference(tmp_path_factory)
     again = run(job(), tmp_path)

@@ -22,6 +22,7 @@ def reference(tmp_path_factory, groups="mesh"):
     return fault_free_sha256(job(groups=groups), tmp_path_factory)
 
 
+@pytest.mark.long  # the recoveries compare with the reference in CI
 def test_fault_free_runs_are_alike_and_cover_both_stages(tmp_path, tmp_path_factory):
     expected = reference(tmp_path_factory)
     again = run(job(), tmp_path)

@@ -125,7 +125,7 @@ def test_hang_without_steps(tmp_path, measure):
     )
 
 
-@pytest.mark.parametrize("how", ["killed", "silent"])
+@pytest.mark.parametrize("how", ["killed", pytest.param("silent", marks=pytest.mark.long)])
 def test_lost_agent_stops_the_job(tmp_path, how):
     """An agent that dies (its connection closes) or goes silent (SIGSTOP: no heartbeat to
     the coordinator) is a lost node; with no spare node the job stops, within a bound."""
