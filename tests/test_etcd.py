@@ -2,11 +2,14 @@
 among candidates, a successor when its lease runs out, a snapshot no former leader can
 overwrite, a member lost, and an etcd that cannot be reached."""
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
+from test_jit_checkpoint import _read_until
 from xmig.coord.etcd import (
     ControlPlane,
     ControlPlaneError,
@@ -16,6 +19,7 @@ from xmig.coord.etcd import (
 )
 
 from etcd_harness import etcd_cluster_fixture, needs_etcd  # noqa: F401 - the fixture
+from helpers import DEMO, FAST, fault_free_sha256, finish_run, run, start_run
 
 TTL = 1
 
@@ -94,3 +98,52 @@ def test_an_etcd_that_cannot_be_reached_is_a_clear_error_within_its_timeout():
         plane.check()
     assert time.monotonic() - started < 5.0
     plane.close()
+
+
+# ---- a job on the HA control plane ------------------------------------------------------
+
+
+@needs_etcd
+def test_a_job_goes_on_through_its_leaders_deaths_and_an_etcd_members(
+    etcd_cluster, tmp_path, tmp_path_factory
+):
+    """Two coordinators on a 3-member etcd: the leader SIGKILLed mid-run, then the next one
+    in the middle of a recovery, and etcd's own leader SIGKILLed; a standby takes over each
+    time, and the run ends bit-identical with its survivor in the same process."""
+    two = ["--nproc-per-node", "2", *FAST]
+    slow = [str(DEMO), "--preset", "tiny", "--steps", "16", "--step-sleep", "0.3"]
+    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
+    proc = start_run([*two, "--control-plane", etcd_cluster.url, "--inject",
+                      "kill:rank=1:step=10:at=backward", *slow], tmp_path)  # fmt: skip
+    seen = _read_until(proc, "step 3 loss")
+    job_id = seen.split("xmig: job ", 1)[1].split(":", 1)[0]
+    plane = ControlPlane(etcd_cluster.url, job_id)
+    first = plane.leader()
+    os.kill(first.pid, signal.SIGKILL)
+    seen += _read_until(proc, "step 6 loss")
+    etcd_cluster.kill_member(etcd_cluster.leader_member())
+    second = plane.wait_leader(20, other_than=first.revision)
+    seen += _read_until(proc, "recovery to generation 1")
+    os.kill(second.pid, signal.SIGKILL)
+    result = finish_run(proc, tmp_path, timeout=180)
+    result.output = seen + result.output
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected, "not bit-identical"
+    took = summary["coordinator_restarts"]
+    assert [r["how"] for r in took] == ["took over", "took over"]
+    assert took[0]["state_before"] == "running" and took[1]["busy"] == "recovery"
+    assert all(0 < r["down_s"] < 15 for r in took)
+    assert summary["coordinator_pid"] not in (first.pid, second.pid)
+    assert len(summary["worker_pids"]["0"]) == 1
+    assert plane.leader() is None and plane.get_snapshot() is None  # the job's keys are gone
+    plane.close()
+
+
+def test_an_etcd_that_cannot_be_reached_stops_the_launch_with_one_line(tmp_path):
+    started = time.monotonic()
+    result = run(["--control-plane", "etcd://127.0.0.1:9", str(DEMO), "--steps", "2"],
+                 tmp_path, timeout=60)  # fmt: skip
+    assert result.returncode == 2, result.output
+    assert "etcd at etcd://127.0.0.1:9: reaching the cluster failed" in result.output
+    assert time.monotonic() - started < 40

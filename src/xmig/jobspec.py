@@ -98,6 +98,10 @@ class JobSpec:
     # a coordinator that dies is started again by its launcher, this many times a job
     coordinator_restarts: int = DEFAULT_COORDINATOR_RESTARTS
     rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT_S
+    # the HA control plane: the etcd cluster that says who leads and keeps the job's
+    # snapshot, and how many coordinators campaign for the lead (one leads, the others wait)
+    control_plane: str | None = None
+    coordinators: int = 1
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field
@@ -128,6 +132,9 @@ class JobSpec:
             raise JobSpecError("--coordinator-restarts must not be negative")
         if self.rejoin_timeout <= 0:
             raise JobSpecError("--rejoin-timeout must be positive")
+        if self.coordinators < 1 or (self.coordinators > 1 and self.control_plane is None):
+            raise JobSpecError("--coordinators N needs N >= 1, and --control-plane for more "
+                               "than one")  # fmt: skip
         if self.hot_spares < 0:
             raise JobSpecError("--hot-spares must not be negative")
         if self.spare_nodes < 0:

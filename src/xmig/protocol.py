@@ -417,6 +417,7 @@ class AgentHello(Message):
     # an agent reconnecting to a restarted coordinator: the workers it holds, each
     # ``{"rank", "pid", "attempt", "step", "state"}`` (None: its first hello)
     workers: list[dict[str, Any]] | None = None
+    lost_at: float | None = None  # when it saw the coordinator go (wall clock)
 
 
 @message("agent_alive", A, C)

@@ -16,7 +16,9 @@ from xmig.wire import parse_address
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="xmig-agent")
-    parser.add_argument("--coord", required=True, help="coordinator address host:port")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--coord", help="coordinator address host:port")
+    where.add_argument("--control-plane", help="etcd://... that says which coordinator leads")
     parser.add_argument("--node-rank", type=int, required=True)
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL, help="the job's log level"
@@ -32,8 +34,9 @@ def main() -> int:
         parser.error("the job token is missing from the environment")
     launch = os.environ.get(HOST_LAUNCH)
     host = HostLaunch.from_json(json.loads(launch)) if launch else None
-    agent = Agent(parse_address(args.coord), token, args.node_rank, launch=host,
-                  connect_timeout=args.connect_timeout)  # fmt: skip
+    coord = parse_address(args.coord) if args.coord else None
+    agent = Agent(coord, token, args.node_rank, launch=host, connect_timeout=args.connect_timeout,
+                  control_plane=args.control_plane)  # fmt: skip
     return agent.run()
 
 

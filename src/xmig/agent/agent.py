@@ -80,6 +80,7 @@ from xmig.wire import (
     WireError,
     connect_retrying,
     format_address,
+    parse_address,
 )
 
 log = logging.getLogger(__name__)
@@ -240,10 +241,14 @@ class Agent:
     signal is tied to it); other threads only post events to it.
     """
 
-    def __init__(self, coord_addr: tuple[str, int], token: str, node_rank: int,
+    def __init__(self, coord_addr: tuple[str, int] | None, token: str, node_rank: int,
                  launch: HostLaunch | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT_S) -> None:  # fmt: skip
-        self.coord_addr = coord_addr
+                 connect_timeout: float = CONNECT_TIMEOUT_S,
+                 control_plane: str | None = None) -> None:  # fmt: skip
+        # where the coordinator is; with an HA control plane, etcd says which one leads
+        self.coord_addr = coord_addr or ("", 0)
+        self.control_plane = control_plane
+        self._leader: int | None = None  # the leadership (etcd revision) last joined
         self.token = token
         self.node_rank = node_rank
         self.launch = launch  # what this host's own launcher was given, if it has its own
@@ -273,6 +278,7 @@ class Agent:
         # while the coordinator is away: what is for it, sent once one is back
         self._outbox: list[Message] | None = None
         self._reconnecting = False
+        self._lost_at: float | None = None
         self._criu_status: CriuStatus | None = None
 
     @property
@@ -362,6 +368,8 @@ class Agent:
         """Connect to the coordinator and say hello; the job's spec, as this host runs it.
         Raises ``JoinRefused`` with the one line to say when the job will not have this
         node."""
+        if self.control_plane is not None:
+            self._find_leader(self.connect_timeout)
         where = format_address(self.coord_addr)
         try:
             self.coord = connect_retrying(
@@ -636,6 +644,7 @@ class Agent:
             return None  # saving or waiting already
         if self._job is not None and self._job.coordinator_restarts > 0:
             self._reconnecting = True
+            self._lost_at = time.time()
             if self._outbox is None:
                 self._outbox = []
             log.warning("agent %d lost the coordinator; waiting up to %.0f s for it to be "
@@ -644,9 +653,25 @@ class Agent:
             return None
         return self._save_states(CoordGone("the job restarts no coordinator"))
 
+    def _find_leader(self, within: float) -> None:
+        """Which coordinator leads the job now (another one than last time), from etcd."""
+        from xmig.coord.etcd import ControlPlane, ControlPlaneError
+
+        assert self.control_plane is not None
+        plane = ControlPlane(self.control_plane, os.environ.get(JOB_ID, ""))
+        try:
+            leader = plane.wait_leader(within, other_than=self._leader)
+        except ControlPlaneError as exc:
+            raise WireError(str(exc)) from None
+        finally:
+            plane.close()
+        self.coord_addr, self._leader = parse_address(leader.address), leader.revision
+
     def _reconnect(self) -> None:
         """(On a thread of its own.) Reach the coordinator again within the rejoin timeout."""
         try:
+            if self.control_plane is not None:  # a standby takes over: etcd says which
+                self._find_leader(self.job.rejoin_timeout)
             client = connect_retrying(
                 self.coord_addr, self.token, self.job.rejoin_timeout,
                 info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
@@ -665,12 +690,16 @@ class Agent:
         launch = self.launch.to_json() if self.launch is not None else None
         hello = AgentHello(node=self.node_rank, pid=os.getpid(),
                            netns=os.stat("/proc/self/ns/net").st_ino, launch=launch,
-                           workers=held)  # fmt: skip
+                           workers=held, lost_at=self._lost_at)  # fmt: skip
         try:
-            self.coord.call(hello.OP, timeout=30.0, **fields_of(hello))
+            reply = self.coord.call(hello.OP, timeout=30.0, **fields_of(hello))
         except (RemoteError, WireError) as exc:
             self.coord.close()
             return self._coord_gone(CoordGone(f"the restarted coordinator refused it: {exc}"))
+        # another coordinator may host the job's store elsewhere: where later workers find it
+        job = JobSpec.from_json(reply["job"])
+        self._job = dataclasses.replace(self.job, master_addr=job.master_addr,
+                                        master_port=job.master_port)  # fmt: skip
         log.warning("agent %d rejoined the restarted coordinator", self.node_rank)
         outbox, self._outbox, self._reconnecting = self._outbox or [], None, False
         if self._criu_status is not None and not any(isinstance(m, CriuStatus) for m in outbox):

@@ -4,13 +4,16 @@ Reads the job spec as JSON on stdin and the token from the environment, then pri
 line on stdout: ``{"ready": ..., "address": ..., "master_port": ...}`` or ``{"error": ...}``.
 """
 
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 from xmig import logs
 from xmig.coord.coordinator import Coordinator
+from xmig.coord.etcd import ControlPlaneError
 from xmig.coord.snapshot import SnapshotError
 from xmig.jobenv import COORD_RESTART as RESTART
 from xmig.jobenv import TOKEN
@@ -29,7 +32,7 @@ def main() -> int:
     restart = int(os.environ.get(RESTART, "0") or 0)
     try:
         coord = Coordinator(spec, token, restart=restart)
-    except SnapshotError as exc:
+    except (SnapshotError, ControlPlaneError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 2
     except (RuntimeError, OSError) as exc:
@@ -42,6 +45,8 @@ def main() -> int:
     ready = {"ready": True, "address": coord.address, "master_port": coord.spec.master_port,
              "pid": os.getpid()}  # fmt: skip
     print(json.dumps(ready), flush=True)
+    if coord.plane is not None and not coord.lead(threading.Event()):
+        return 1
     coord.run()
     # let the launcher read the outcome and the agents shut down before the store goes away
     deadline = time.monotonic() + LINGER_S
@@ -50,6 +55,11 @@ def main() -> int:
         or any(not p.conn.closed for p in coord.launchers)
     ):
         time.sleep(0.02)
+    if coord.plane is not None and coord.leadership is not None:
+        # the job is over: its keys go (the snapshot first, so that no standby takes it up)
+        with contextlib.suppress(ControlPlaneError):
+            coord.plane.clear()
+        coord.leadership.resign()
     return 0 if coord.status == "completed" else 1
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xmig.coord.checkpoint import Sealed
+from xmig.coord.etcd import ControlPlane, ControlPlaneError, Leader, Leadership, LostLeadership
 from xmig.coord.eventlog import EventLog
 from xmig.coord.machine import LIVE, Job, JobState
 from xmig.coord.orders import (
@@ -56,6 +57,9 @@ from xmig.protocol import (
 from xmig.wire import Peer, Server, format_address, listening_socket
 
 CHECK_INTERVAL_S = 0.1  # how often deadlines and agents' silence are checked
+# the leader's lease: a leader that dies is succeeded within about this long
+LEADER_TTL_S = 2
+LOST_LEAD_EXIT_CODE = 4
 REPLY_TIMEOUT_S = 30.0  # how long a request waits for the decision thread
 ROLES = {"agent": Party.AGENT, "launcher": Party.LAUNCHER, "client": Party.LAUNCHER}
 
@@ -100,13 +104,22 @@ class Coordinator:
         self.token = token
         self.server = Server(spec.master_addr, spec.coord_port, token, self._handle,
                              on_close=self._on_close, name="coord")  # fmt: skip
-        launch = HostLaunch.of(spec) if spec.multi_host else None
+        self.launch = HostLaunch.of(spec) if spec.multi_host else None
         self.snapshot_path = snapshot_path(job_folder(spec.job_id))
+        # with an HA control plane: the etcd cluster, and this coordinator's lead once it won
+        self.plane: ControlPlane | None = None
+        self.leadership: Leadership | None = None
+        self.leading = threading.Event()
+        if spec.control_plane is not None:
+            self.plane = ControlPlane(spec.control_plane, spec.job_id)
+            self.plane.check()
         if restart:  # a predecessor died: take the job up from its snapshot
             data = read_snapshot(self.snapshot_path)
-            self.job = restore(self.spec, data, time.time(), launch)
+            self.job = restore(self.spec, data, time.time(), self.launch)
         else:
-            self.job = Job(self.spec, started=time.time(), launch=launch)
+            self.job = Job(self.spec, started=time.time(), launch=self.launch)
+        if self.plane is None:
+            self.leading.set()
         self._revision: tuple[Any, ...] | None = None
         self.events_path = job_folder(spec.job_id) / "events.jsonl"
         self.events = EventLog(self.events_path)
@@ -122,12 +135,44 @@ class Coordinator:
     def address(self) -> str:
         return format_address(self.server.address)
 
+    def lead(self, stop: threading.Event) -> bool:
+        """(With an HA control plane.) Campaign until this coordinator leads the job, then
+        take it up from the snapshot in etcd, if a predecessor left one; False if ``stop``
+        came first. A leader whose lease runs out stops at once: its successor leads."""
+        assert self.plane is not None
+        me = Leader(address=self.address,
+                    store=format_address((self.spec.master_addr, self.spec.master_port)),
+                    pid=os.getpid(), since=time.time())  # fmt: skip
+        leadership = self.plane.campaign(me, LEADER_TTL_S, stop)
+        if leadership is None:
+            return False
+        self.leadership = leadership
+        data = self.plane.get_snapshot()
+        if data is not None:
+            self.job = restore(self.spec, data, time.time(), self.launch, how="took over")
+        else:
+            self.job = Job(self.spec, started=time.time(), launch=self.launch)
+        log.info("coordinator %d leads job %s%s", os.getpid(), self.spec.job_id,
+                 f" (restart {self.job.restarts})" if data else "")  # fmt: skip
+
+        def watch() -> None:
+            leadership.lost.wait()
+            if not self.finished.is_set():
+                log.error("this coordinator lost the lead of the job: it stops")
+                os._exit(LOST_LEAD_EXIT_CODE)
+
+        threading.Thread(target=watch, name="xmig-lead", daemon=True).start()
+        self.leading.set()
+        return True
+
     @property
     def status(self) -> str:
         return self.job.state.value
 
     # ---- connection threads: decode, then post ----------------------------------------------
     def _handle(self, peer: Peer, frame: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.leading.is_set():
+            raise ValueError("this coordinator does not lead the job (ask etcd which does)")
         role = ROLES.get(str(peer.info.get("role")))
         if role is Party.AGENT:
             self.agent_seen[int(peer.info.get("node", -1))] = time.monotonic()
@@ -224,8 +269,17 @@ class Coordinator:
         if now == self._revision:
             return
         try:
-            write_snapshot(self.snapshot_path, snapshot(self.job))
+            if self.plane is not None:
+                assert self.leadership is not None
+                self.plane.put_snapshot(self.leadership, snapshot(self.job))
+            else:
+                write_snapshot(self.snapshot_path, snapshot(self.job))
             self._revision = now
+        except LostLeadership as exc:  # a successor leads: nothing more may be decided here
+            log.error("this coordinator lost the lead of the job (%s): it stops", exc)
+            os._exit(LOST_LEAD_EXIT_CODE)
+        except ControlPlaneError as exc:  # etcd unreachable for the call's whole deadline
+            log.warning("warning: cannot write the job's snapshot to etcd: %s", exc)
         except OSError as exc:  # the job goes on; a restart would find an older one
             log.warning("warning: cannot write the coordinator's snapshot %s: %s",
                         self.snapshot_path, exc)  # fmt: skip

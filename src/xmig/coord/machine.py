@@ -144,6 +144,8 @@ class Rejoin:
     expected: set[int]
     started: float
     deadline: float
+    how: str = "restarted"  # by its launcher; "took over": a standby coordinator (etcd)
+    lost_at: float | None = None  # the earliest an agent saw the previous coordinator go
     deferred: list[Any] = field(default_factory=list)  # events that came meanwhile
 
 
@@ -291,6 +293,8 @@ class Job:
         self.agent_pids[msg.node] = msg.pid
         if msg.netns is not None:
             self.agent_netns[msg.node] = msg.netns
+        if msg.lost_at is not None:
+            self.rejoin.lost_at = min(msg.lost_at, self.rejoin.lost_at or msg.lost_at)
         for held in msg.workers or []:
             rank = int(held["rank"])
             before = self.members.get(rank)
@@ -317,9 +321,12 @@ class Job:
         assert rejoin is not None
         missing = sorted(rejoin.expected - self.agents)
         busy = rejoin.busy["what"] if rejoin.busy else None
-        record = {"restart": self.restarts, "t": now, "state_before": rejoin.before.value,
+        record = {"restart": self.restarts, "how": rejoin.how, "t": now,
+                  "state_before": rejoin.before.value,
                   "busy": busy, "missing_nodes": missing, "generation": self.generation,
-                  "rejoin_s": round(now - rejoin.started, 4)}  # fmt: skip
+                  "rejoin_s": round(now - rejoin.started, 4),
+                  # from the first agent that saw the coordinator go to the job going on
+                  "down_s": round(now - rejoin.lost_at, 4) if rejoin.lost_at else None}  # fmt: skip
         self.coordinator_restarts.append(record)
         orders: list[Order] = [Note("rejoined", record), ToAll(StoreRestarted(
             master_addr=self.spec.master_addr, master_port=self.spec.master_port))]  # fmt: skip

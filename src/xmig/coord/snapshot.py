@@ -95,8 +95,8 @@ def snapshot(job: Job) -> dict[str, Any]:
     }
 
 
-def restore(spec: JobSpec, data: dict[str, Any], now: float,
-            launch: HostLaunch | None = None) -> Job:  # fmt: skip
+def restore(spec: JobSpec, data: dict[str, Any], now: float, launch: HostLaunch | None = None,
+            how: str = "restarted") -> Job:  # fmt: skip
     """The job a snapshot describes, waiting for its agents to rejoin (``REJOINING``)."""
     from xmig.coord.machine import Job, JobState, Member, Rejoin
 
@@ -135,7 +135,7 @@ def restore(spec: JobSpec, data: dict[str, Any], now: float,
         raise SnapshotError(f"the coordinator's snapshot cannot be read: {exc}") from None
     job.state = JobState.REJOINING
     job.rejoin = Rejoin(before=before, busy=busy, expected=set(data["agents"]), started=now,
-                        deadline=now + spec.rejoin_timeout)  # fmt: skip
+                        deadline=now + spec.rejoin_timeout, how=how)  # fmt: skip
     return job
 
 

@@ -148,6 +148,22 @@ def run(
             "a restarted one for its agents.",
         ),
     ] = DEFAULT_REJOIN_TIMEOUT_S,
+    control_plane: Annotated[
+        str | None,
+        typer.Option(
+            metavar="etcd://HOST:PORT,...",
+            help="An HA control plane: the job's state in this etcd cluster, and "
+            "--coordinators coordinators of which one leads; a standby takes over "
+            "when the leader dies.",
+        ),
+    ] = None,
+    coordinators: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Coordinators campaigning for the lead (default 2 with --control-plane, else 1).",
+        ),
+    ] = None,
     join_timeout: Annotated[
         float | None,
         typer.Option(
@@ -290,6 +306,17 @@ def run(
                         else DEFAULT_AGENT_CONNECT_TIMEOUT_S)  # fmt: skip
     if join_timeout <= 0:
         raise click.UsageError(f"--join-timeout must be positive, got {join_timeout}")
+    if control_plane is not None:
+        from xmig.coord.etcd import parse_url
+
+        if rdzv_endpoint is not None:
+            raise click.UsageError("--control-plane with one launcher per host "
+                                   "(--rdzv-endpoint) is not supported yet")  # fmt: skip
+
+        try:
+            parse_url(control_plane)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     if rdzv_endpoint is not None:
         token, host = _multi_host(rdzv_endpoint, rdzv_id, node_rank, token_file,
                                   simulate_hosts, master_addr, nodes + spare_nodes,
@@ -327,6 +354,8 @@ def run(
         agent_connect_timeout=join_timeout,
         coordinator_restarts=coordinator_restarts,
         rejoin_timeout=rejoin_timeout,
+        control_plane=control_plane,
+        coordinators=coordinators if coordinators is not None else (2 if control_plane else 1),
         multi_host=bool(host),
         coord_port=host.get("coord_port", 0),
     )

@@ -206,6 +206,9 @@ class Launcher:
         self._restarts = 0  # coordinators started again
         self._left = False  # this host was told to leave the job (SIGTERM, not node 0)
         self.coordinator: subprocess.Popen | None = None
+        # with an HA control plane: every coordinator this launcher started (one leads)
+        self.candidates: list[subprocess.Popen] = []
+        self._leader: int | None = None  # the leadership (etcd revision) connected to
         self.agents: list[subprocess.Popen] = []
         self.client: Client | None = None
         self.job_file: Path | None = None
@@ -221,6 +224,40 @@ class Launcher:
         env[JOB_ID] = self.spec.job_id
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
+
+    def _start_candidate(self) -> None:
+        """One more coordinator that campaigns for the lead (HA control plane): it listens on
+        ports of its own, and takes the job up from etcd when it wins."""
+        proc = subprocess.Popen([sys.executable, "-m", "xmig.coord"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=self._env(), start_new_session=True,
+                                preexec_fn=die_with_parent)  # fmt: skip
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(self.spec.to_json()) + "\n").encode())
+        proc.stdin.close()
+        self.candidates.append(proc)
+        ready = _read_ready_line(proc, COORDINATOR_START_TIMEOUT_S)
+        if "error" in ready:
+            raise LaunchError(ready["error"])
+        self.coordinator = self.coordinator or proc
+
+    def _find_leader(self, within: float) -> str:
+        """The address of the coordinator that leads now (another than last time)."""
+        from xmig.coord.etcd import ControlPlane, ControlPlaneError
+
+        assert self.spec.control_plane is not None
+        plane = ControlPlane(self.spec.control_plane, self.spec.job_id)
+        try:
+            leader = plane.wait_leader(within, other_than=self._leader)
+        except ControlPlaneError as exc:
+            raise LaunchError(str(exc)) from None
+        finally:
+            plane.close()
+        self._leader = leader.revision
+        self.spec = replace(self.spec, master_port=int(leader.store.rsplit(":", 1)[1]))
+        for proc in self.candidates:
+            if proc.pid == leader.pid:
+                self.coordinator = proc
+        return leader.address
 
     def _start_coordinator(self, restart: int = 0) -> str:
         env = self._env()
@@ -255,6 +292,9 @@ class Launcher:
         for node in self.local_nodes:
             env = self._env()
             extra: list[str] = []
+            where = ["--coord", address]
+            if self.spec.control_plane is not None:  # etcd says which coordinator leads
+                where = ["--control-plane", self.spec.control_plane]
             if self.spec.multi_host:
                 env[HOST_LAUNCH] = json.dumps(HostLaunch.of(self.spec).to_json())
                 extra = ["--connect-timeout", str(self.spec.agent_connect_timeout)]
@@ -270,7 +310,7 @@ class Launcher:
 
             # the node rank last: what tells the agents apart on a process list
             cmd = [sys.executable, "-m", "xmig.agent", "--log-level", self.spec.log_level,
-                   *extra, "--coord", address, "--node-rank", str(node)]  # fmt: skip
+                   *extra, *where, "--node-rank", str(node)]  # fmt: skip
             self.agents.append(
                 subprocess.Popen(
                     cmd,
@@ -384,7 +424,11 @@ class Launcher:
         try:
             remove_stale_jobs()
             self._create_hosts()
-            if self.hosts_coordinator:
+            if self.spec.control_plane is not None and self.hosts_coordinator:
+                for _ in range(self.spec.coordinators):
+                    self._start_candidate()
+                address = self._find_leader(COORDINATOR_START_TIMEOUT_S)
+            elif self.hosts_coordinator:
                 address = self._start_coordinator()
             else:  # another host's: wait for it, and refuse a wrong token before anything
                 address = format_address((self.spec.master_addr, self.spec.coord_port))
@@ -445,6 +489,8 @@ class Launcher:
         self._result_ready.clear()
         address = format_address((self.spec.master_addr, self.spec.coord_port))
         count = f"{self._restarts} of {self.spec.coordinator_restarts}"
+        if self.spec.control_plane is not None:
+            return self._follow_leader(count)
         if self.hosts_coordinator:
             assert self.coordinator is not None
             try:
@@ -466,6 +512,32 @@ class Launcher:
             self.client.call("wait_result")
         except (LaunchError, WireError, RemoteError) as exc:
             print(f"xmig: no coordinator at {address} again: {exc}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return False
+        return True
+
+    def _follow_leader(self, count: str) -> bool:
+        """(HA control plane.) The leader went: a standby takes over; connect to it, and
+        start a new standby in place of a coordinator that died."""
+        for proc in list(self.candidates):
+            if proc.poll() is not None:
+                self.candidates.remove(proc)
+                print(f"xmig: coordinator {proc.pid} died (exit {proc.returncode}); a standby "
+                      f"takes over; starting a new standby ({count})", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                try:
+                    self._start_candidate()
+                except LaunchError as exc:
+                    print(f"xmig: no new standby coordinator: {exc}", file=sys.stderr,
+                          flush=True)  # fmt: skip
+        try:
+            # the leader's lease runs out first, then a standby takes over
+            address = self._find_leader(self.spec.rejoin_timeout)
+            self._connect(address, within=self.spec.rejoin_timeout)
+            assert self.client is not None
+            self.client.call("wait_result")
+        except (LaunchError, WireError, RemoteError) as exc:
+            print(f"xmig: no coordinator leads the job any more: {exc}", file=sys.stderr,
                   flush=True)  # fmt: skip
             return False
         return True
@@ -578,7 +650,7 @@ class Launcher:
             )
 
     def _kill_all(self) -> None:
-        procs = [p for p in [self.coordinator, *self.agents] if p is not None]
+        procs = [p for p in [self.coordinator, *self.candidates, *self.agents] if p is not None]
         kill_pids([p.pid for p in procs if p.poll() is None])
 
     def _shutdown(self) -> None:
@@ -592,11 +664,17 @@ class Launcher:
                 proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
                 stop_process(proc, grace=1.0)  # its workers die with it (parent-death signal)
+        for proc in self.candidates:  # the standbys first: the leader resigns as it ends
+            if proc is not self.coordinator and proc.poll() is None:
+                stop_process(proc, grace=1.0)
         if self.coordinator is not None:
             try:
                 self.coordinator.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 stop_process(self.coordinator, grace=1.0)
+        for proc in self.candidates:  # the standbys have nothing left to take over
+            if proc.poll() is None:
+                stop_process(proc, grace=1.0)
         if self._result is not None:
             pids = [p for ps in self._result.get("worker_pids", {}).values() for p in ps]
             left = wait_gone(pids, timeout=5.0)
