@@ -179,3 +179,16 @@ def test_a_snapshot_of_another_job_or_version_is_refused():
         restore(job.spec, {**data, "version": 99}, LATER)
     with pytest.raises(SnapshotError, match="cannot be read"):
         restore(job.spec, {k: v for k, v in data.items() if k != "members"}, LATER)
+
+
+def test_the_snapshot_is_rewritten_for_decisions_not_for_every_report():
+    """A rank's progress and its end are reported again by its agent to a restarted
+    coordinator: writing the snapshot for each (1,024 of them at the end) would cost the
+    decision thread seconds."""
+    job = running_job(nnodes=2)
+    before = revision(job)
+    job.on(Progress(rank=0, step=9), T0)
+    job.on(WorkerDone(rank=0, steps=9, params_sha256="ab", checksum="cd", replicas=None), T0)
+    assert revision(job) == before
+    job.on(kill(1), T0)
+    assert revision(job) != before

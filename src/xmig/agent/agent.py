@@ -110,6 +110,7 @@ class Worker:
     announced: dict[str, Any] | None = None  # the injected fault it said it is carrying out
     gpu: str | None = None  # the UUID of the GPU it holds state on, when it is moving
     gpu_bytes: int = 0  # how much of that GPU's memory it holds
+    done: WorkerDone | None = None  # what it said when it finished (a new coordinator hears it)
 
     @property
     def pid(self) -> int:
@@ -358,10 +359,10 @@ class Agent:
 
     def _worker_done(self, worker: Worker, peer: Peer, msg: Done, wall: float) -> None:
         worker.state = "done"
-        self._post(ToCoordinator(WorkerDone(rank=worker.rank, steps=msg.steps,
-                                            params_sha256=msg.params_sha256,
-                                            checksum=msg.checksum,
-                                            replicas=msg.replicas)))  # fmt: skip
+        worker.done = WorkerDone(rank=worker.rank, steps=msg.steps,
+                                 params_sha256=msg.params_sha256, checksum=msg.checksum,
+                                 replicas=msg.replicas)  # fmt: skip
+        self._post(ToCoordinator(worker.done))
 
     # ---- main loop ------------------------------------------------------------------------
     def _join(self) -> JobSpec:
@@ -705,6 +706,9 @@ class Agent:
         if self._criu_status is not None and not any(isinstance(m, CriuStatus) for m in outbox):
             outbox.insert(0, self._criu_status)
         outbox.append(Spares(node=self.node_rank, ready=self.spares.ready_count))
+        # what finished ranks said went to the coordinator that died (not kept in its snapshot)
+        outbox += [w.done for w in self.workers.values() if w.done is not None
+                   and not any(m is w.done for m in outbox)]  # fmt: skip
         for msg in outbox:
             self._send(msg)
         return None

@@ -206,6 +206,7 @@ class Job:
     total_steps: int | None = None  # as the script's step loop said
     warned: set[str] = field(default_factory=set)
     retiring: set[int] = field(default_factory=set)  # processes whose end is expected
+    spawned: int = 0  # worker processes started (a change a snapshot must keep)
     restarts: int = 0  # how many coordinators ran this job before this one
     coordinator_restarts: list[dict[str, Any]] = field(default_factory=list)
     rejoin: Rejoin | None = None  # set while a restarted coordinator waits for its agents
@@ -407,6 +408,7 @@ class Job:
                           f"node 0's: {'; '.join(differ)}")  # fmt: skip
 
     def _worker_started(self, msg: WorkerStarted, now: float) -> list[Order]:
+        self.spawned += 1
         self.worker_pids[msg.rank].append(msg.pid)
         self.members[msg.rank] = Member(msg.node, msg.pid, msg.attempt, msg.from_spare)
         return []

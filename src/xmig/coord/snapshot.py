@@ -48,10 +48,11 @@ def busy_with(job: Job) -> dict[str, Any] | None:
 
 def revision(job: Job) -> tuple[Any, ...]:
     """Changes whenever the snapshot would (cheap: compared after every event)."""
+    # (never a sum over the ranks: this runs after every event, at 1,024 ranks too; and not the
+    # ranks' ``done``, which their agents send again to a restarted coordinator)
     return (job.state, job.generation, len(job.faults), len(job.batch), len(job.recoveries),
-            len(job.migrations), len(job.lost_nodes), len(job.done), len(job.exited),
-            len(job.joined), tuple(sorted(job.agents)),
-            sum(len(p) for p in job.worker_pids.values()),
+            len(job.migrations), len(job.lost_nodes), len(job.exited), len(job.joined),
+            tuple(sorted(job.agents)), job.spawned,
             sum(len(c.get("sums", {})) + len(c) for c in job.checks.values()), job.verdict,
             job.reason, job.jit_checkpoint is not None, job.released, job.restarts,
             len(job.scheduled), len(job.warned), job.total_steps,
