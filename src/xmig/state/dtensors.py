@@ -14,6 +14,11 @@ def is_dtensor(value: Any) -> bool:
         and hasattr(value, "device_mesh")  # fmt: skip
 
 
+def has_dtensors(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (FSDP2, tensor parallel)."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
 def local_shards(value: Any) -> Any:
     """The same structure with every DTensor replaced by its local shard."""
     if is_dtensor(value):

@@ -23,6 +23,9 @@ class Registry:
         self.streams: dict[str, Batches] = {}
         self.ddp: Any = None  # the DDP that trains the registered model, once the loop starts
         self._snapshots: dict[str, Any] = {}
+        # a sharded model's state as the step began (references, not copies): inside a step
+        # FSDP2 swaps in unsharded parameters, whose memory it frees between uses
+        self._model_state: dict[str, Any] | None = None
 
     def register(self, **objects: Any) -> None:
         for name, obj in objects.items():
@@ -70,8 +73,10 @@ class Registry:
     def state_dict(self) -> dict[str, Any]:
         # sharded parts travel as this rank's shards (a replica holds the same ones)
         state = {
-            name: dtensors.local_shards(obj.state_dict()) for name, obj in self.objects.items()
-        }
+            name: dtensors.local_shards(self._model_state if name == "model" and
+                                        self._model_state is not None else obj.state_dict())
+            for name, obj in self.objects.items()
+        }  # fmt: skip
         state.update({name: stream.state_dict() for name, stream in self.streams.items()})
         return state
 
@@ -101,6 +106,9 @@ class Registry:
         for name, obj in self.objects.items():
             if name not in ("model", "optimizer"):
                 self._snapshots[name] = copy.deepcopy(obj.state_dict())
+        model = self.objects.get("model")
+        if model is not None and dtensors.has_dtensors(model):
+            self._model_state = model.state_dict()
 
     def restore_others(self, step: int) -> None:
         """Back to the start of ``step``, the one this rank redoes."""
