@@ -111,6 +111,7 @@ class Worker:
     gpu: str | None = None  # the UUID of the GPU it holds state on, when it is moving
     gpu_bytes: int = 0  # how much of that GPU's memory it holds
     done: WorkerDone | None = None  # what it said when it finished (a new coordinator hears it)
+    exited: WorkerExited | None = None  # and that it exited cleanly
 
     @property
     def pid(self) -> int:
@@ -707,8 +708,9 @@ class Agent:
             outbox.insert(0, self._criu_status)
         outbox.append(Spares(node=self.node_rank, ready=self.spares.ready_count))
         # what finished ranks said went to the coordinator that died (not kept in its snapshot)
-        outbox += [w.done for w in self.workers.values() if w.done is not None
-                   and not any(m is w.done for m in outbox)]  # fmt: skip
+        for worker in self.workers.values():
+            outbox += [m for m in (worker.done, worker.exited)
+                       if m is not None and not any(m is k for k in outbox)]  # fmt: skip
         for msg in outbox:
             self._send(msg)
         return None
@@ -854,7 +856,8 @@ class Agent:
             log.warning("rank %d finished its steps, then exited with %s", rank, detail)
             returncode = 0
         if returncode == 0:
-            self._send(WorkerExited(rank=rank, pid=worker.pid, t=detected))
+            worker.exited = WorkerExited(rank=rank, pid=worker.pid, t=detected)
+            self._send(worker.exited)
             return
         kind, detail = describe_exit(returncode)
         self._report_fault(worker, kind, detail, detected)

@@ -32,6 +32,7 @@ from xmig.coord.orders import (
     ToNode,
 )
 from xmig.coord.snapshot import (
+    BOOKKEEPING_LAG_S,
     read_snapshot,
     restore,
     revision,
@@ -123,6 +124,7 @@ class Coordinator:
         if self.plane is None:
             self.leading.set()
         self._revision: tuple[Any, ...] | None = None
+        self._written = 0.0  # monotonic time of the last snapshot
         self.events_path = job_folder(spec.job_id) / "events.jsonl"
         self.events = EventLog(self.events_path)
         self.peers: dict[int, Peer] = {}  # node -> its agent's connection
@@ -268,10 +270,15 @@ class Coordinator:
             pending.done.set()
 
     def _keep_snapshot(self) -> None:
-        """Write what a restarted coordinator would need, when it changed."""
+        """Write what a restarted coordinator would need: before a decision is carried out,
+        and the bookkeeping alone at most every ``BOOKKEEPING_LAG_S``."""
         now = revision(self.job)
         if now == self._revision:
             return
+        decided = self._revision is None or now[0] != self._revision[0]
+        if not decided and time.monotonic() < self._written + BOOKKEEPING_LAG_S:
+            return
+        self._written = time.monotonic()
         try:
             if self.plane is not None:
                 assert self.leadership is not None

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 SNAPSHOT_VERSION = 1
 SNAPSHOT_NAME = "coordinator.json"
+BOOKKEEPING_LAG_S = 1.0
 
 
 class SnapshotError(ValueError):
@@ -46,17 +47,20 @@ def busy_with(job: Job) -> dict[str, Any] | None:
     return None
 
 
-def revision(job: Job) -> tuple[Any, ...]:
-    """Changes whenever the snapshot would (cheap: compared after every event)."""
-    # (never a sum over the ranks: this runs after every event, at 1,024 ranks too; and not the
-    # ranks' ``done``, which their agents send again to a restarted coordinator)
-    return (job.state, job.generation, len(job.faults), len(job.batch), len(job.recoveries),
-            len(job.migrations), len(job.lost_nodes), len(job.exited), len(job.joined),
-            tuple(sorted(job.agents)), job.spawned,
-            sum(len(c.get("sums", {})) + len(c) for c in job.checks.values()), job.verdict,
-            job.reason, job.jit_checkpoint is not None, job.released, job.restarts,
-            len(job.scheduled), len(job.warned), job.total_steps,
-            len(job.coordinator_restarts))  # fmt: skip
+def revision(job: Job) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(what the job decided, its bookkeeping): the snapshot is written before a decision is
+    carried out, and at most every ``BOOKKEEPING_LAG_S`` for the bookkeeping alone (a rank
+    started, joined, exited, its checksum: one event a rank, which at 1,024 ranks must not
+    each rewrite the snapshot; agents tell a restarted coordinator again what matters of it).
+    Cheap: compared after every event, never a sum over the ranks."""
+    decided = (job.state, job.generation, len(job.faults), len(job.batch), len(job.recoveries),
+               len(job.migrations), len(job.lost_nodes), tuple(sorted(job.agents)),
+               len(job.checks), job.verdict, job.reason, job.jit_checkpoint is not None,
+               job.released, job.restarts, len(job.scheduled), len(job.warned),
+               job.total_steps, len(job.coordinator_restarts))  # fmt: skip
+    kept = (len(job.exited), len(job.joined), job.spawned,
+            sum(len(c.get("sums", {})) for c in job.checks.values()))  # fmt: skip
+    return decided, kept
 
 
 def snapshot(job: Job) -> dict[str, Any]:
@@ -71,7 +75,10 @@ def snapshot(job: Job) -> dict[str, Any]:
         "agents": sorted(job.agents),
         "agent_pids": _keys_str(job.agent_pids),
         "agent_netns": _keys_str(job.agent_netns),
-        "members": {str(r): dataclasses.asdict(m) for r, m in job.members.items()},
+        "members": {
+            str(r): {"node": m.node, "pid": m.pid, "attempt": m.attempt, "from_spare": m.from_spare}
+            for r, m in job.members.items()
+        },
         "worker_pids": _keys_str(job.worker_pids),
         "joined": sorted(job.joined),
         "done": {str(r): fields_of(d) for r, d in job.done.items()},
@@ -150,7 +157,7 @@ def write_snapshot(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump(data, out, default=str)
+        out.write(json.dumps(data, default=str))  # (json.dump encodes in pure Python)
     os.replace(partial, path)
 
 
