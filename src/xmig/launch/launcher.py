@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -506,13 +507,17 @@ class Launcher:
                 print(f"xmig: the coordinator could not be started again: {exc}",
                       file=sys.stderr, flush=True)  # fmt: skip
                 return False
+        return self._reconnect(lambda: address, f"no coordinator at {address} again")
+
+    def _reconnect(self, find: Callable[[], str], failed: str) -> bool:
+        """Connect to the coordinator ``find`` names, for the outcome; False (with the line
+        ``failed``) when none answers within the rejoin timeout."""
         try:
-            self._connect(address, within=self.spec.rejoin_timeout)
+            self._connect(find(), within=self.spec.rejoin_timeout)
             assert self.client is not None
             self.client.call("wait_result")
         except (LaunchError, WireError, RemoteError) as exc:
-            print(f"xmig: no coordinator at {address} again: {exc}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"xmig: {failed}: {exc}", file=sys.stderr, flush=True)
             return False
         return True
 
@@ -530,17 +535,9 @@ class Launcher:
                 except LaunchError as exc:
                     print(f"xmig: no new standby coordinator: {exc}", file=sys.stderr,
                           flush=True)  # fmt: skip
-        try:
-            # the leader's lease runs out first, then a standby takes over
-            address = self._find_leader(self.spec.rejoin_timeout)
-            self._connect(address, within=self.spec.rejoin_timeout)
-            assert self.client is not None
-            self.client.call("wait_result")
-        except (LaunchError, WireError, RemoteError) as exc:
-            print(f"xmig: no coordinator leads the job any more: {exc}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            return False
-        return True
+        # the leader's lease runs out first, then a standby takes over
+        return self._reconnect(lambda: self._find_leader(self.spec.rejoin_timeout),
+                               "no coordinator leads the job any more")  # fmt: skip
 
     def _say_started(self, address: str) -> None:
         spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
