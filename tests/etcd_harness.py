@@ -32,8 +32,9 @@ def _free_ports(count: int) -> list[int]:
 class EtcdCluster:
     """``size`` members on 127.0.0.1 with elections in a fraction of a second."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, host: str = "127.0.0.1") -> None:
         self.size = size
+        self.host = host  # the address its members listen on
         self.folder = Path(tempfile.mkdtemp(prefix="xmig-etcd-"))
         ports = _free_ports(2 * size)
         self.client_ports, self.peer_ports = ports[:size], ports[size:]
@@ -41,20 +42,20 @@ class EtcdCluster:
 
     @property
     def url(self) -> str:
-        return "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return "etcd://" + ",".join(f"{self.host}:{p}" for p in self.client_ports)
 
     def _cluster(self) -> str:
-        return ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(self.peer_ports))
+        return ",".join(f"m{i}=http://{self.host}:{p}" for i, p in enumerate(self.peer_ports))
 
     def start_member(self, i: int, state: str = "new") -> None:
         client, peer = self.client_ports[i], self.peer_ports[i]
         log = open(self.folder / f"m{i}.log", "a")  # noqa: SIM115 - the member writes it
         self.procs[i] = subprocess.Popen(
             ["etcd", "--name", f"m{i}", "--data-dir", str(self.folder / f"m{i}"),
-             "--listen-client-urls", f"http://127.0.0.1:{client}",
-             "--advertise-client-urls", f"http://127.0.0.1:{client}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--listen-client-urls", f"http://{self.host}:{client}",
+             "--advertise-client-urls", f"http://{self.host}:{client}",
+             "--listen-peer-urls", f"http://{self.host}:{peer}",
+             "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
              "--initial-cluster", self._cluster(), "--initial-cluster-state", state,
              "--initial-cluster-token", self.folder.name,
              "--heartbeat-interval", "50", "--election-timeout", "250"],
@@ -88,7 +89,7 @@ class EtcdCluster:
             if self.procs[i] is None or self.procs[i].poll() is not None:
                 continue
             done = subprocess.run(
-                ["etcdctl", "--endpoints", f"127.0.0.1:{port}", "endpoint", "status",
+                ["etcdctl", "--endpoints", f"{self.host}:{port}", "endpoint", "status",
                  "--write-out", "json"],
                 capture_output=True, text=True, timeout=10, check=False,
                 env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},

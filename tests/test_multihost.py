@@ -12,9 +12,11 @@ import uuid
 import psutil
 import pytest
 
+from xmig.coord.etcd import ControlPlane
 from xmig.launch.multihost import job_token
-from xmig.wire import Client, WireError
+from xmig.wire import Client, WireError, parse_address
 
+from etcd_harness import EtcdCluster, needs_etcd
 from helpers import DEMO, assert_all_gone, fault_free_sha256, wait_for
 from hosts_harness import (
     PORT,
@@ -27,9 +29,15 @@ from hosts_harness import (
 HEARTBEAT = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1.5"]
 
 
-def status(net: Hosts, job_id: str) -> dict:
-    client = Client((net.net.address(0), PORT), job_token(SECRET, job_id),
-                    info={"role": "client"}, connect_timeout=5.0)  # fmt: skip
+def status(net: Hosts, job_id: str, plane: ControlPlane | None = None) -> dict:
+    where = (net.net.address(0), PORT)
+    if plane is not None:  # the coordinator that leads now
+        leader = plane.leader()
+        if leader is None:
+            raise WireError("no leader")
+        where = parse_address(leader.address)
+    client = Client(where, job_token(SECRET, job_id), info={"role": "client"},
+                    connect_timeout=5.0)  # fmt: skip
     try:
         return client.call("status", timeout=10.0)["status"]
     finally:
@@ -166,3 +174,50 @@ def test_a_host_told_to_go_leaves_and_the_job_goes_on(hosts, tmp_path, tmp_path_
     assert summary["lost_nodes"] == [1] and summary["worker_nodes"]["1"] == 2
     assert len(summary["worker_pids"]["0"]) == 1
     assert_all_gone(summary)
+
+
+@needs_root
+@needs_etcd
+def test_hosts_on_an_ha_control_plane_lose_the_leaders_whole_host(
+    hosts, tmp_path, tmp_path_factory
+):
+    """Coordinators on hosts 0 and 1 campaign on a 3-member etcd; host 0 (the leader's, with
+    its launcher, agent and rank) is lost whole: host 1's coordinator takes over, host 0's
+    rank restarts on the spare host, and the run ends bit-identical, its summary written by a
+    host that is left."""
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    script = [str(DEMO), "--steps", "14", "--step-sleep", "0.25", "--quiet"]
+    reference = fault_free_sha256(["--nnodes", "3", "--hot-spares", "0", *script[:3],
+                                   "--quiet"], tmp_path_factory)  # fmt: skip
+    net = hosts(4)
+    cluster = EtcdCluster(3, host=net.net.bridge_address).start()
+    try:
+        common = ["--nnodes", "3:4", "--rdzv-endpoint", net.endpoint, "--rdzv-id", job_id,
+                  "--control-plane", cluster.url, "--coordinators", "2", "--hot-spares", "0",
+                  "--rejoin-timeout", "6", *HEARTBEAT]  # fmt: skip
+        for node in (0, 1, 2, 3):
+            summary = ["--summary", str(tmp_path / f"summary{node}.json")]
+            net.start(f"host{node}", node, [*summary, *common, *script])
+        plane = ControlPlane(cluster.url, job_id)
+        leader = plane.wait_leader(120)
+
+        def at_step_4() -> bool:
+            try:
+                return min(status(net, job_id, plane)["progress"].values(), default=0) >= 4
+            except WireError:
+                return False
+
+        wait_for(at_step_4, 120, "the job to reach step 4")
+        assert leader.address.startswith(net.net.address(0))  # node 0's host leads first
+        net.kill_host(0)
+        codes = {name: net.wait(name, 180) for name in ("host1", "host2", "host3")}
+        assert codes == {"host1": 0, "host2": 0, "host3": 0}, {n: net.output(n) for n in codes}
+        summary = json.loads((tmp_path / "summary1.json").read_text())
+        assert summary["final_params_sha256"] == reference, "not bit-identical"
+        (took,) = summary["coordinator_restarts"]
+        assert took["how"] == "took over" and took["missing_nodes"] == [0]
+        assert summary["lost_nodes"] == [0] and summary["worker_nodes"]["0"] == 3
+        assert len(summary["worker_pids"]["1"]) == 1 and len(summary["worker_pids"]["2"]) == 1
+        plane.close()
+    finally:
+        cluster.stop()

@@ -309,10 +309,6 @@ def run(
     if control_plane is not None:
         from xmig.coord.etcd import parse_url
 
-        if rdzv_endpoint is not None:
-            raise click.UsageError("--control-plane with one launcher per host "
-                                   "(--rdzv-endpoint) is not supported yet")  # fmt: skip
-
         try:
             parse_url(control_plane)
         except ValueError as exc:
@@ -321,6 +317,16 @@ def run(
         token, host = _multi_host(rdzv_endpoint, rdzv_id, node_rank, token_file,
                                   simulate_hosts, master_addr, nodes + spare_nodes,
                                   join_timeout)  # fmt: skip
+        if control_plane is not None and node_rank:
+            # this host's own coordinator (if it runs one) listens on its own address
+            from xmig.coord.etcd import parse_url
+            from xmig.launch.multihost import MultiHostError, address_towards
+
+            try:
+                first = parse_url(control_plane)[0]
+                host.update(master_addr=address_towards(*first), coord_port=0)
+            except (ValueError, MultiHostError) as exc:
+                raise click.UsageError(str(exc)) from None
         master_addr = host["master_addr"]
     elif node_rank is not None or rdzv_id is not None or token_file is not None:
         raise click.UsageError("--node-rank, --rdzv-id and --token-file go with "

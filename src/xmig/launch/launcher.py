@@ -239,7 +239,6 @@ class Launcher:
         ready = _read_ready_line(proc, COORDINATOR_START_TIMEOUT_S)
         if "error" in ready:
             raise LaunchError(ready["error"])
-        self.coordinator = self.coordinator or proc
 
     def _find_leader(self, within: float) -> str:
         """The address of the coordinator that leads now (another than last time)."""
@@ -255,9 +254,8 @@ class Launcher:
             plane.close()
         self._leader = leader.revision
         self.spec = replace(self.spec, master_port=int(leader.store.rsplit(":", 1)[1]))
-        for proc in self.candidates:
-            if proc.pid == leader.pid:
-                self.coordinator = proc
+        # the leader, if it is one of this launcher's (it ends by itself with the job)
+        self.coordinator = next((p for p in self.candidates if p.pid == leader.pid), None)
         return leader.address
 
     def _start_coordinator(self, restart: int = 0) -> str:
@@ -425,10 +423,14 @@ class Launcher:
         try:
             remove_stale_jobs()
             self._create_hosts()
-            if self.spec.control_plane is not None and self.hosts_coordinator:
-                for _ in range(self.spec.coordinators):
+            if self.spec.control_plane is not None:
+                # one launcher: every candidate; one per host: the first hosts' one each
+                mine = self.spec.coordinators if self.node_rank is None else int(
+                    self.node_rank < self.spec.coordinators)  # fmt: skip
+                for _ in range(mine):
                     self._start_candidate()
-                address = self._find_leader(COORDINATOR_START_TIMEOUT_S)
+                within = COORDINATOR_START_TIMEOUT_S if mine else self.spec.agent_connect_timeout
+                address = self._find_leader(within)
             elif self.hosts_coordinator:
                 address = self._start_coordinator()
             else:  # another host's: wait for it, and refuse a wrong token before anything
@@ -598,7 +600,9 @@ class Launcher:
         }  # fmt: skip
 
     def _report(self, summary: dict[str, Any]) -> None:
-        if self.summary_path is not None and self.hosts_coordinator:
+        # node 0's host writes it; with an HA control plane any host may be the one left
+        writes = self.hosts_coordinator or self.spec.control_plane is not None
+        if self.summary_path is not None and writes:
             self.summary_path.parent.mkdir(parents=True, exist_ok=True)
             self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         head = f"xmig: job {summary['job_id']}"

@@ -104,3 +104,14 @@ def parse_endpoint(text: str, within: float = 0.0) -> tuple[str, int]:
                 raise MultiHostError(f"--rdzv-endpoint: cannot resolve {host!r}: "
                                      f"{exc}{waited}") from None  # fmt: skip
             time.sleep(RESOLVE_INTERVAL_S)
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the way to ``host`` (where a coordinator of another host
+    than node 0's listens, for the others to reach it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port))  # no packet: it only picks the route
+        except OSError as exc:
+            raise MultiHostError(f"no route to {host}:{port}: {exc}") from None
+        return str(probe.getsockname()[0])
