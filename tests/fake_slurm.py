@@ -11,7 +11,6 @@ asked to run in ``srun.json`` and each node's output and exit code in ``node<I>.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -20,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-CLONE_NEWNET = 0x40000000
+from xmig.launch.hosts import enter_netns
+
 # the srun options the batch script may give, each as --name=value or a flag
 FLAGS = {"--no-kill"}
 
@@ -39,21 +39,6 @@ def scontrol(args: list[str]) -> int:
         print(name, flush=True)
         time.sleep(0.05)
     return 0
-
-
-def enter(netns: str):
-    """A ``preexec_fn`` that moves the child into the network namespace at ``netns``."""
-
-    def enter_namespace() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(netns, os.O_RDONLY)
-        try:
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns({netns}) failed")
-        finally:
-            os.close(fd)
-
-    return enter_namespace
 
 
 def srun(args: list[str]) -> int:
@@ -82,7 +67,7 @@ def srun(args: list[str]) -> int:
                "SLURMD_NODENAME": node["name"]}  # fmt: skip
         with open(log_dir / f"node{index}.log", "w") as log:
             procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=enter(node["netns"])))  # fmt: skip
+                                          preexec_fn=enter_netns(node["netns"])))  # fmt: skip
 
     def forward(signum: int, _frame: object) -> None:
         for proc in procs:

@@ -47,6 +47,21 @@ def _ip(*args: str) -> str:
     return done.stdout
 
 
+def enter_netns(path: str) -> Callable[[], None]:
+    """A ``preexec_fn`` that moves the child into the network namespace at ``path``."""
+
+    def enter_namespace() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns({path}) failed")
+        finally:
+            os.close(fd)
+
+    return enter_namespace
+
+
 def gpu_count() -> int:
     """NVIDIA GPUs on this machine, from the driver's /proc entries (no CUDA needed)."""
     folder = Path("/proc/driver/nvidia/gpus")
@@ -159,18 +174,7 @@ class SimulatedHosts:
 
     def enter(self, node: int) -> Callable[[], None]:
         """A ``preexec_fn`` that moves the child into node ``node``'s network namespace."""
-        path = str(NETNS_DIR / self.namespace(node))
-
-        def enter_namespace() -> None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns({path}) failed")
-            finally:
-                os.close(fd)
-
-        return enter_namespace
+        return enter_netns(str(NETNS_DIR / self.namespace(node)))
 
     def environment(self, node: int) -> dict[str, str]:
         """What a process in node ``node``'s namespace needs: the interface its communication
