@@ -107,9 +107,23 @@ def answered(address: str, token: str) -> bool:
         client.close()
 
 
+def ended(proc: subprocess.Popen) -> None:
+    """The run and every process of its job gone (they die with its launcher)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 def failover(mode: str, cluster: EtcdCluster, folder: Path) -> dict:
     """Kill the coordinator (the leader) at step 5; the time to the next answer."""
     proc = start(mode, cluster, folder, ["--hot-spares", "0"])
+    try:
+        return _failover(mode, cluster, folder, proc)
+    finally:
+        ended(proc)
+
+
+def _failover(mode: str, cluster: EtcdCluster, folder: Path, proc: subprocess.Popen) -> dict:
     seen: list[str] = []
     read_until(proc, f"step {KILL_AT_STEP} loss", seen)
     job_id, address, _ = job_of(seen)
@@ -153,7 +167,10 @@ def failover(mode: str, cluster: EtcdCluster, folder: Path) -> dict:
 
 def recovery(mode: str, cluster: EtcdCluster, folder: Path) -> dict:
     proc = start(mode, cluster, folder, ["--inject", "kill:rank=1:step=8:at=backward"])
-    summary = finish(proc, folder, [])
+    try:
+        summary = finish(proc, folder, [])
+    finally:
+        ended(proc)
     (record,) = summary["recoveries"]
     return {"total_s": record["total_s"], "phases": record["phases"],
             "sha": summary["final_params_sha256"], "status": summary["status"]}  # fmt: skip
