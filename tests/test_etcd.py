@@ -145,5 +145,6 @@ def test_an_etcd_that_cannot_be_reached_stops_the_launch_with_one_line(tmp_path)
     result = run(["--control-plane", "etcd://127.0.0.1:9", str(DEMO), "--steps", "2"],
                  tmp_path, timeout=60)  # fmt: skip
     assert result.returncode == 2, result.output
-    assert "etcd at etcd://127.0.0.1:9: reaching the cluster failed" in result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("xmig: error: etcd at etcd://127.0.0.1:9: reaching the cluster failed")
     assert time.monotonic() - started < 40
