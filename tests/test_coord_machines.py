@@ -5,7 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from xmig.coord.machine import SETTLE_WINDOW_S, TRANSITIONS, IllegalTransition, Job, JobState
+from xmig.coord.machine import (
+    SETTLE_QUIET_S,
+    SETTLE_WINDOW_S,
+    TRANSITIONS,
+    IllegalTransition,
+    Job,
+    JobState,
+)
 from xmig.coord.migration import MIGRATION_TRANSITIONS, MigrationPhase
 from xmig.coord.orders import (
     AgentLost,
@@ -247,18 +254,95 @@ def test_a_host_started_with_another_command_line_is_refused_naming_what_differs
 # ---- faults: settle, then recover or stop --------------------------------------------------
 
 
-def test_running_to_settling_then_recovering_after_the_window():
+def test_running_to_settling_then_recovering_once_no_other_death_came():
     job = running_job()
     orders = job.on(kill(1), T0)
     assert job.state is S.SETTLING
-    assert sent(orders, Park) == []  # nothing decided inside the window
-    assert job.on(Tick(), T0 + SETTLE_WINDOW_S / 2) == []
-    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert sent(orders, Park) == []  # nothing decided while deaths may still come
+    assert job.next_deadline() == T0 + SETTLE_QUIET_S
+    assert job.on(Tick(), T0 + SETTLE_QUIET_S / 2) == []
+    orders = job.on(Tick(), T0 + SETTLE_QUIET_S)
     assert job.state is S.RECOVERING and job.generation == 1
     assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
     assert sent(orders, Respawn) == [(1, Respawn(rank=1, generation=1, local_rank=0, attempt=1,
                                                  fired=[]))]  # fmt: skip
     assert any("fault: rank 1" in line for line in said(orders))
+
+
+def test_deaths_that_keep_coming_are_weighed_together_up_to_the_window():
+    job = running_job(nnodes=4)
+    job.on(kill(1), T0)
+    job.on(kill(2), T0 + SETTLE_QUIET_S / 2)  # another death: the quiet time starts again
+    assert job.next_deadline() == T0 + SETTLE_QUIET_S * 1.5
+    assert job.on(Tick(), T0 + SETTLE_QUIET_S * 1.2) == []
+    job.on(kill(3), T0 + SETTLE_WINDOW_S - SETTLE_QUIET_S / 2)  # the window bounds the wait
+    assert job.next_deadline() == T0 + SETTLE_WINDOW_S
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.RECOVERING and job.recovery.replaced == [1, 2, 3]
+
+
+def test_a_communication_error_waits_for_its_death_up_to_the_window():
+    job = running_job(nnodes=3)
+    job.on(kill(2, kind="comm_error"), T0)
+    assert job.next_deadline() == T0 + SETTLE_WINDOW_S  # no death yet: the cause may come
+    job.on(kill(1), T0 + 0.01)
+    assert job.next_deadline() == T0 + 0.01 + SETTLE_QUIET_S  # it came: settled soon
+    job.on(Tick(), T0 + 0.01 + SETTLE_QUIET_S)
+    assert job.primary.rank == 1 and job.recovery.replaced == [1]
+    lone = running_job(nnodes=3)
+    lone.on(kill(2, kind="comm_error"), T0)
+    assert lone.on(Tick(), T0 + SETTLE_WINDOW_S / 2) == []
+    lone.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert lone.state is S.RECOVERING and lone.recovery.replaced == []  # rebuilt in place
+
+
+def test_a_death_while_the_survivors_park_widens_the_recovery():
+    """A death settled alone, then another one before the plan: the recovery starts over
+    with both ranks replaced, and the first replacement's reports are those of a process
+    being ended."""
+    job = running_job(nnodes=3)
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=True), T0 + 0.11)
+    job.on(Parked(rank=0, generation=1, position=position(), t=T0), T0 + 0.12)
+    orders = job.on(kill(2), T0 + 0.13)
+    assert job.state is S.RECOVERING and job.generation == 2
+    assert job.recovery.replaced == [1, 2] and job.recovery.survivors == [0]
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1, 2]))]
+    assert sent(orders, Respawn) == [
+        (1, Respawn(rank=1, generation=2, local_rank=0, attempt=2, fired=[])),
+        (2, Respawn(rank=2, generation=2, local_rank=0, attempt=1, fired=[])),
+    ]  # fmt: skip
+    assert 301 in job.retiring
+    assert [(f.rank, f.secondary) for f in job.faults] == [(1, False), (2, False)]
+    # the first replacement's join, late, is not the recovery's
+    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0), T0 + 0.14)
+    assert job.recovery.joined == {}
+    job.on(WorkerStarted(rank=1, node=1, pid=302, attempt=2, t=T0, from_spare=False), T0 + 0.15)
+    assert job.members[1].pid == 302
+    orders = job.on(Parked(rank=0, generation=2, position=position(), t=T0), T0 + 0.16)
+    assert sent(orders, Rebuild)[0][1].pulls == [1, 2]
+
+
+def test_a_node_lost_while_the_survivors_park_moves_its_ranks_too():
+    job = running_job(nnodes=3, spare_nodes=1)
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    orders = job.on(AgentLost(2), T0 + 0.15)
+    assert job.state is S.RECOVERING and job.recovery.replaced == [1, 2]
+    assert sorted(sent(orders, Respawn), key=lambda s: s[1].rank)[1][0] == 3  # the spare node
+
+
+def test_a_death_once_the_plan_is_out_ends_the_recovery():
+    job = running_job(nnodes=3)
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    for rank in (0, 2):
+        job.on(Parked(rank=rank, generation=1, position=position(), t=T0), T0 + 0.12)
+    assert job.recovery.plan is not None
+    job.on(kill(2), T0 + 0.13)
+    assert job.recovery is None and job.generation == 1
+    assert "a second fault hit during recovery" in job.reason
 
 
 def test_the_earliest_death_is_the_cause_and_errors_it_explains_are_secondary():
@@ -445,8 +529,17 @@ def test_parking_to_failed_when_no_plan_can_work():
     assert sent(orders, Abort) and "has not reached session.steps()" in job.reason
 
 
+def planned_job(**fields) -> Job:
+    """``recovering_job`` whose survivors have parked: the plan is out."""
+    job, _ = recovering_job(**fields)
+    for rank in job.recovery.survivors:
+        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
+    assert job.recovery.plan is not None
+    return job
+
+
 def test_a_second_fault_during_recovery_stops_the_job():
-    job, _ = recovering_job(nnodes=3)
+    job = planned_job(nnodes=3)
     orders = job.on(kill(2, t=T0 + 0.3), T0 + 0.3)
     assert job.state is S.STOPPING
     assert job.reason == "a second fault hit during recovery"
@@ -471,7 +564,7 @@ def test_a_rank_that_cannot_recover_stops_the_job():
 
 
 def test_an_agent_lost_during_recovery_stops_the_job():
-    job, _ = recovering_job(nnodes=3)
+    job = planned_job(nnodes=3)
     job.on(AgentLost(2), T0 + 1)
     assert job.state is S.STOPPING
     assert job.reason == "the agent of node 2 was lost during recovery"
@@ -753,7 +846,7 @@ def test_a_replay_refused_by_a_replacement_starts_the_recovery_over_as_a_rollbac
 def test_a_recovery_given_up_ends_its_replacement_before_the_survivors_save():
     from xmig.protocol import EndRank
 
-    job, _ = recovering_job(nnodes=3, checkpoint_dir="/ck")
+    job = planned_job(nnodes=3, checkpoint_dir="/ck")
     job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=False), T0)
     orders = job.on(kill(2, t=T0 + 0.3), T0 + 0.3)
     assert sent(orders, EndRank) == [(1, EndRank(rank=1, pid=301))]

@@ -219,7 +219,9 @@ class Checkpoint:
         return f"ranks {missing} did not write their shards in time"
 
     def _maybe_plan(self, now: float) -> list[Order]:
-        if self.plan is not None or not set(self.parked) >= set(self.holders):
+        if self.plan is not None or len(self.parked) < len(self.holders):
+            return []  # (cheap: one Parked a rank)
+        if not set(self.parked) >= set(self.holders):
             return []
         self.plan = plan = plan_checkpoint(self.parked, self.spec.world_size)
         if plan.step is None or not plan.writers:

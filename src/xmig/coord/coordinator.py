@@ -55,7 +55,7 @@ from xmig.protocol import (
     decode,
     encode,
 )
-from xmig.wire import Peer, Server, format_address, listening_socket
+from xmig.wire import Peer, Server, format_address, listening_socket, pack
 
 CHECK_INTERVAL_S = 0.1  # how often deadlines and agents' silence are checked
 # the leader's lease: a leader that dies is succeeded within about this long
@@ -226,6 +226,8 @@ class Coordinator:
             due = self.job.next_deadline()
             if due is not None:
                 wait = min(wait, max(0.0, due - time.time()))
+            if self._queue.empty():  # idle: what was logged reaches the file now
+                self.events.flush()
             try:
                 pending = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -288,6 +290,7 @@ class Coordinator:
             self._revision = now
         except LostLeadership as exc:  # a successor leads: nothing more may be decided here
             log.error("this coordinator lost the lead of the job (%s): it stops", exc)
+            self.events.flush()
             os._exit(LOST_LEAD_EXIT_CODE)
         except ControlPlaneError as exc:  # etcd unreachable for the call's whole deadline
             log.warning("warning: cannot write the job's snapshot to etcd: %s", exc)
@@ -297,8 +300,9 @@ class Coordinator:
 
     def _carry_out(self, order: Order, pending: _Pending) -> None:
         if isinstance(order, ToAll):
+            data = pack(encode(order.msg))  # once, not once an agent
             for node in sorted(self.job.agents):
-                self._push(node, order.msg)
+                self._push(node, order.msg, data)
         elif isinstance(order, ToNode):
             self._push(order.node, order.msg)
         elif isinstance(order, Say):
@@ -326,9 +330,9 @@ class Coordinator:
             return Sealed(order.generation, f"{type(exc).__name__}: {exc}")
         return Sealed(order.generation)
 
-    def _push(self, node: int, msg: Message) -> None:
+    def _push(self, node: int, msg: Message, data: bytes | None = None) -> None:
         peer = self.peers.get(node)
-        if peer is not None and peer.push(encode(msg)):
+        if peer is not None and peer.push_packed(data if data is not None else pack(encode(msg))):
             return
         if isinstance(msg, StopWorkers):  # it cannot stop anything: count it stopped
             self._queue.put(_Pending(AgentLost(node)))

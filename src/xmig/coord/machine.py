@@ -80,9 +80,14 @@ from xmig.protocol import (
     WorkerStarted,
 )
 
-# faults detected within this window of the first one are weighed together: the earliest is
-# the cause, the rest (peers failing because it died) are its consequences
+# faults detected close together are weighed together: the earliest death is the cause, the
+# rest (peers failing because it died) its consequences. A death closes the weighing once no
+# other death has come for SETTLE_QUIET_S (processes that die together are seen within a
+# millisecond or two: agents watch pidfds); communication errors alone wait up to
+# SETTLE_WINDOW_S for the death that explains them. A death that comes later still, while the
+# survivors park, widens the recovery (``Job._widen``).
 SETTLE_WINDOW_S = 0.1
+SETTLE_QUIET_S = 0.01
 STOP_SLACK_S = 10.0  # beyond the stop grace, how long agents may take to confirm a stop
 
 
@@ -183,7 +188,11 @@ class Job:
     faults: list[FaultRecord] = field(default_factory=list)
     primary: FaultRecord | None = None
     batch: list[FaultRecord] = field(default_factory=list)  # faults being settled
+    settle_started: float = 0.0
     settle_until: float = 0.0
+    # rank -> the attempt its latest respawn was ordered as: reports of an earlier one, whose
+    # recovery was widened, are of a process being ended
+    ordered_attempt: dict[int, int] = field(default_factory=dict)
     recovery: Recovery | None = None
     migration: Migration | None = None
     checkpoint: Checkpoint | None = None
@@ -223,7 +232,9 @@ class Job:
         if self.rejoin is not None and not isinstance(event, REJOIN_EVENTS):
             self.rejoin.deferred.append(event)
             return []
-        if isinstance(event, (WorkerStarted, WorkerJoined)) and event.pid in self.retiring:
+        if isinstance(event, (WorkerStarted, WorkerJoined)) and (
+            event.pid in self.retiring or event.attempt < self.ordered_attempt.get(event.rank, 0)
+        ):
             return []  # a process of a plan given up: it is being ended
         handler = HANDLERS.get(type(event))
         if handler is not None:
@@ -481,11 +492,18 @@ class Job:
         if record.kind == "comm_error" and (self.state in busy or stale):
             return []  # a survivor noticing the fault that is being recovered from
         if self.state in (S.STARTING, S.RUNNING):
-            self.batch, self.settle_until = [record], now + SETTLE_WINDOW_S
+            self.batch, self.settle_started = [record], now
+            self.settle_until = now + SETTLE_WINDOW_S
+            self._settle_after(record, now)
             return [Note("fault", dataclasses.asdict(record)), *self._enter(S.SETTLING, now)]
         if self.state is S.SETTLING:
             self.batch.append(record)
+            self._settle_after(record, now)
             return [Note("fault", dataclasses.asdict(record))]
+        if self.state is S.RECOVERING:
+            widened = self._widen(record, now)
+            if widened is not None:
+                return [Note("fault", dataclasses.asdict(record)), *widened]
         self.faults.append(dataclasses.replace(record, secondary=self.state not in LIVE))
         if self.state is S.CHECKPOINTING:
             assert self.checkpoint is not None
@@ -507,6 +525,40 @@ class Job:
                     *self._follow(self.migration.fail("a fault hit during the migration", now),
                                   now)]  # fmt: skip
         return [Note("fault", dataclasses.asdict(record))]
+
+    def _settle_after(self, record: FaultRecord, now: float) -> None:
+        """A death settles the batch once no other has come for ``SETTLE_QUIET_S``
+        (communication errors wait for their death, up to ``SETTLE_WINDOW_S``)."""
+        if record.kind != "comm_error":
+            self.settle_until = min(self.settle_started + SETTLE_WINDOW_S, now + SETTLE_QUIET_S)
+
+    def _widen(self, record: FaultRecord, now: float) -> list[Order] | None:
+        """A death of survivors while the recovery waits for them to park (no plan is out):
+        it starts over at once with them replaced too, as if the fault had been settled
+        with this death in it. None when the recovery cannot be widened (its plan is out,
+        or the record is an error, or names no survivor): then the fault ends it."""
+        recovery = self.recovery
+        if recovery is None or recovery.plan is not None or record.kind == "comm_error":
+            return None
+        lost = set(record.lost_ranks)
+        new = lost - set(recovery.replaced)
+        if not new or not new <= set(recovery.survivors):
+            return None  # (each widening replaces more ranks: they cannot go on forever)
+        self.faults.append(dataclasses.replace(record, secondary=False))
+        if record.injected:
+            self.fired.setdefault(int(record.injected["rank"]), []).append(record.injected)
+        for rank in recovery.replaced:
+            member = self.members.get(rank)
+            if member is not None and member.attempt == self.ordered_attempt.get(rank):
+                self.retiring.add(member.pid)  # its replacement, started already
+        self.recovery = None
+        replaced = sorted(lost | set(recovery.replaced))
+        return [Say(f"  also: {summary.describe(record)}"),
+                Note("recovery", {"generation": recovery.generation, "what": "widened",
+                                  "after_s": round(now - recovery.started, 6),
+                                  "replaced": replaced}),
+                *self._start_recovery(recovery.primary, replaced, now,
+                                      no_replay=recovery.no_replay)]  # fmt: skip
 
     def _agent_lost(self, event: AgentLost, now: float) -> list[Order]:
         node = event.node
@@ -540,6 +592,9 @@ class Job:
             return [*orders, *self._follow(self.checkpoint.lost(record.lost_ranks, now), now)]
         if self.state is S.RECOVERING:
             assert self.recovery is not None
+            widened = self._widen(record, now)
+            if widened is not None:
+                return [*orders, *widened]
             self.faults.append(record)
             self.recovery.lost.update(record.lost_ranks)
             return [*orders, *self._follow(self.recovery.fail(
@@ -621,10 +676,12 @@ class Job:
             ToAll(Park(generation=self.generation, replaced=replaced)),
         ]  # fmt: skip
         for rank in replaced:
+            attempt = max(self.members[rank].attempt, self.ordered_attempt.get(rank, 0)) + 1
+            self.ordered_attempt[rank] = attempt
             orders.append(ToNode(placement[rank], Respawn(
                 rank=rank, generation=self.generation,
                 local_rank=rank % self.spec.nproc_per_node,
-                attempt=self.members[rank].attempt + 1,
+                attempt=attempt,
                 fired=self.fired.get(rank, []),  # on another node: not to be fired again
             )))  # fmt: skip
         moved = sorted({n for r, n in placement.items() if n != self.members[r].node})
@@ -762,6 +819,8 @@ class Job:
         """Once every rank has finished its steps, nobody can need a finished rank's state
         any more: let them all exit. Replicas that end different fail the job instead."""
         if self.released or self.state is not S.RUNNING:
+            return []
+        if len(self.done) < self.spec.world_size:  # (cheap: one WorkerDone a rank)
             return []
         if not set(self.done) >= set(range(self.spec.world_size)):
             return []

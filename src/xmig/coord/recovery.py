@@ -201,6 +201,14 @@ class Recovery:
     placement: dict[int, int] = field(default_factory=dict)  # replaced rank -> its node
     lost: set[int] = field(default_factory=set)  # survivors that died meanwhile
     no_replay: str | None = None  # why this recovery rolls back (a replay of it failed)
+    # who has yet to park, and to recover: counted down per message, which at 1,024 ranks
+    # must not compare sets of every rank
+    unparked: set[int] = field(init=False)
+    unrecovered: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unparked = set(self.survivors)
+        self.unrecovered = self.expected
 
     @property
     def expected(self) -> set[int]:
@@ -238,9 +246,10 @@ class Recovery:
             return self._mismatched(event, now)
         elif isinstance(event, Recovered):
             self.recovered[event.rank] = event
+            self.unrecovered.discard(event.rank)
             note = self._note(now, "recovered", rank=event.rank, role=event.role,
                               phases={k: round(v, 6) for k, v in event.phases.items()})  # fmt: skip
-            if self.plan is None or not set(self.recovered) >= self.expected:
+            if self.plan is None or self.unrecovered:
                 return [note]
             record = self.record(now)
             return [note, *self._enter(RecoveryPhase.DONE, now, record=record),
@@ -253,7 +262,8 @@ class Recovery:
 
     def _on_parked(self, event: Parked, now: float) -> list[Order]:
         self.parked[event.rank] = event.position
-        if self.plan is not None or not set(self.parked) >= set(self.survivors):
+        self.unparked.discard(event.rank)
+        if self.plan is not None or self.unparked:
             return []
         self.parked_at = now
         try:
@@ -291,9 +301,8 @@ class Recovery:
 
     def _late(self) -> str:
         if self.plan is None:
-            missing = sorted(set(self.survivors) - set(self.parked))
-            return f"ranks {missing} did not park in time"
-        missing = sorted(self.expected - set(self.recovered))
+            return f"ranks {sorted(self.unparked)} did not park in time"
+        missing = sorted(self.unrecovered)
         return f"ranks {missing} did not finish recovering in time"
 
     def record(self, now: float) -> dict[str, Any]:
