@@ -110,6 +110,21 @@ def test_two_faults(tmp_path, tmp_path_factory, measure, world):
     check_records(summary, failed, measure, f"two faults (world {world})")
 
 
+def test_a_survivor_dying_as_it_parks_widens_the_recovery(tmp_path, tmp_path_factory, measure):
+    """Rank 1 killed; rank 2 killed as it parks for that recovery, after the fault was
+    settled: the recovery starts over with both replaced (a second fault after the plan
+    still ends it), and the run is bit-identical."""
+    specs = ["kill:rank=1:step=2:at=backward", "kill:rank=2:step=2:at=park"]
+    _, summary = recover(tmp_path, tmp_path_factory, 3, specs)
+    assert [(f["rank"], f["secondary"]) for f in summary["faults"]] == [(1, False), (2, False)]
+    (record,) = summary["recoveries"]
+    assert record["ranks"] == [1, 2] and record["generation"] == 2
+    pids = summary["worker_pids"]
+    assert len(pids["0"]) == 1, "the survivor kept its process"
+    assert len(pids["2"]) == 2 and 2 <= len(pids["1"]) <= 3  # its first replacement, if started
+    measure(f"widened: {record['mode']} in {record['total_s']:.2f} s")
+
+
 def test_hang(tmp_path, tmp_path_factory, measure):
     spec = "hang:rank=1:step=3:at=backward"
     _, summary = recover(tmp_path, tmp_path_factory, 2, [spec])

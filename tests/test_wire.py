@@ -273,3 +273,28 @@ def test_a_deeply_nested_handshake_frame_only_costs_its_connection():
         if client is not None:
             client.close()
         server.close()
+
+
+def test_a_buffered_connection_reads_bursts_and_split_frames_alike():
+    """Several frames in one receive, and one frame over many: the same frames, in order;
+    an unbuffered connection leaves what follows its frames in the socket."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    left = socket.create_connection(listener.getsockname())
+    right, _ = listener.accept()
+    listener.close()
+    try:
+        frames = [wire.pack({"n": n, "pad": "x" * (n * 7000)}) for n in range(12)]
+        burst = b"".join(frames)
+        left.sendall(burst[:5])  # a header split across receives
+        reader = Connection(right, buffered=True)
+        sender = threading.Thread(target=lambda: (time.sleep(0.05), left.sendall(burst[5:])))
+        sender.start()
+        assert [reader.recv()["n"] for _ in frames] == list(range(12))
+        sender.join()
+        plain = Connection(left)
+        right.sendall(wire.pack({"n": 1}) + b"raw")
+        assert plain.recv() == {"n": 1}
+        assert left.recv(3) == b"raw"  # (the image stream reads raw bytes after a frame)
+    finally:
+        left.close()
+        right.close()
