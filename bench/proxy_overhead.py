@@ -36,6 +36,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True)
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then profile this many more steps of each (GPU): where a step's time goes",
+    )
+    parser.add_argument("--trace", help="a folder for the profiled steps' Chrome traces")
+    parser.add_argument(
         "--poll-us",
         type=float,
         help="how often the proxy checks whether a GPU op has finished (default: the proxy's)",
@@ -77,7 +84,8 @@ def main() -> None:
             torch.cuda.synchronize(device)  # a step's time is its GPU work too
 
     times: dict[str, list[float]] = {"plain": [], "xmig": []}
-    steps = session.steps(args.steps)
+    profiled = args.profile_steps if device.type == "cuda" else 0
+    steps = session.steps(args.steps + profiled)
 
     def plain_step(i: int) -> None:
         started = time.perf_counter()
@@ -96,6 +104,12 @@ def main() -> None:
         else:
             xmig_step()
             plain_step(i)
+    profiles = {}
+    if profiled:
+        for name, run_one in (("plain", lambda i: train(ddp_p, opt_p, i)),
+                              ("xmig", lambda i: train(ddp_x, opt_x, next(steps)))):  # fmt: skip
+            trace = Path(args.trace) / f"{name}.json" if args.trace else None
+            profiles[name] = profile(run_one, args.profile_steps, args.steps, device, trace)
     next(steps, None)  # the last boundary
     if session.rank == 0:
         kept = {k: v[args.warmup :] for k, v in times.items()}
@@ -111,11 +125,57 @@ def main() -> None:
             "log_copy_mb_per_step": session.proxy.log_copy_bytes / args.steps / 1e6,
             "issue_ms_per_step": session.proxy.issue_seconds / args.steps * 1000,
             "ops_per_step": session.proxy.issued / args.steps,
+            "profile": profiles,
         }
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"[rank0] plain {result['median_ms']['plain']:.1f} ms, xmig "
               f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
               f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+
+
+def profile(run_one, count: int, first: int, device: torch.device,
+            trace: Path | None) -> dict:  # fmt: skip
+    """``count`` steps under torch.profiler: per step, the wall time, the GPU's busy time
+    (the union of its kernels and copies), its idle time, and the busy time by kind."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize(device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for i in range(count):
+            run_one(first + i)
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - started
+    spans: list[tuple[float, float, str]] = []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = ("nccl" if "nccl" in name else "copy" if "memcpy" in name or "copy" in name
+                else "compute")  # fmt: skip
+        spans.append((event.time_range.start, event.time_range.end, kind))
+    spans.sort()
+    busy, by_kind, end = 0.0, {"nccl": 0.0, "copy": 0.0, "compute": 0.0}, None
+    for start, stop, kind in spans:
+        by_kind[kind] += stop - start
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    per_step_ms = 1000 / count / 1000  # microseconds in all -> milliseconds a step
+    return {
+        "wall_ms": wall * 1000 / count,
+        "gpu_busy_ms": busy * per_step_ms,
+        "gpu_idle_ms": wall * 1000 / count - busy * per_step_ms,
+        "by_kind_ms": {k: v * per_step_ms for k, v in by_kind.items()},
+        "kernels_per_step": len(spans) / count,
+    }
 
 
 if __name__ == "__main__":

@@ -181,11 +181,12 @@ class ProxyProcessGroup(dist.ProcessGroup):
         with self._cv:
             self.step = step
             self.ops_in_step = 0
-            kept = [r for r in self.log if r.step is not None and r.step >= step - 1]
-            if not self.keep_log:
-                kept = [r for r in kept if r.state != "done"]
+            kept = []
             for record in self.log:
-                if record not in kept and record.state == "done":
+                if (record.step is not None and record.step >= step - 1
+                        and (self.keep_log or record.state != "done")):  # fmt: skip
+                    kept.append(record)
+                elif record.state == "done":
                     self._buffers.give_back(record.inputs)
                     record.inputs = None
             self.log = kept

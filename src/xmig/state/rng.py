@@ -21,10 +21,24 @@ def reseed(seed: int, rank: int, step: int) -> None:
     """Reseed Python's, torch's (CPU and CUDA) and, if loaded, NumPy's generators."""
     value = step_seed(seed, rank, step)
     random.seed(value)
-    torch.manual_seed(value)
+    _seed_torch(value)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(value % (2**32))
+
+
+def _seed_torch(value: int) -> None:
+    """``torch.manual_seed(value)``, without its cost at every step boundary: it also looks
+    for every other kind of device and, before CUDA is initialized, formats a stack trace
+    for a lazy call (most of a boundary's time on CPU)."""
+    if torch.cuda.is_initialized():
+        torch.default_generator.manual_seed(value)
+        for generator in torch.cuda.default_generators:
+            generator.manual_seed(value)
+    elif torch.cuda.is_available():
+        torch.manual_seed(value)  # seeds CUDA's generators when it is initialized
+    else:
+        torch.default_generator.manual_seed(value)
 
 
 def derived_seed(seed: int, rank: int, *parts: object) -> int:

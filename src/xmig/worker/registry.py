@@ -26,6 +26,7 @@ class Registry:
         # a sharded model's state as the step began (references, not copies): inside a step
         # FSDP2 swaps in unsharded parameters, whose memory it frees between uses
         self._model_state: dict[str, Any] | None = None
+        self._has_dtensors: tuple[Any, bool] | None = None  # (the model, whether it has any)
 
     def register(self, **objects: Any) -> None:
         for name, obj in objects.items():
@@ -107,8 +108,15 @@ class Registry:
             if name not in ("model", "optimizer"):
                 self._snapshots[name] = copy.deepcopy(obj.state_dict())
         model = self.objects.get("model")
-        if model is not None and dtensors.has_dtensors(model):
+        if model is not None and self._sharded(model):
             self._model_state = model.state_dict()
+
+    def _sharded(self, model: Any) -> bool:
+        """``has_dtensors(model)``, looked up once per model (not at every boundary)."""
+        known = self._has_dtensors
+        if known is None or known[0] is not model:
+            known = self._has_dtensors = (model, dtensors.has_dtensors(model))
+        return known[1]
 
     def restore_others(self, step: int) -> None:
         """Back to the start of ``step``, the one this rank redoes."""
