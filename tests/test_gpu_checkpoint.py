@@ -242,6 +242,13 @@ def test_simulated_hosts_split_the_gpus(monkeypatch):
     assert [sim.environment(n)["CUDA_VISIBLE_DEVICES"] for n in range(3)] == ["0", "1", "0"]
     two = hosts.SimulatedHosts("job", count=2, gpus_per_node=2)
     assert two.environment(1)["CUDA_VISIBLE_DEVICES"] == "0,1"
+    # one GPU, a job of one node and a spare one: the spare node has the same GPU, which a
+    # rank migrated there finds free once it was checkpointed (measured on one H200:
+    # bench/results/gpu-speed.md)
+    monkeypatch.setattr(hosts, "gpu_count", lambda: 1)
+    one = hosts.SimulatedHosts("job", count=2, gpus_per_node=1)
+    assert [one.environment(n)["CUDA_VISIBLE_DEVICES"] for n in range(2)] == ["0", "0"]
+    monkeypatch.setattr(hosts, "gpu_count", lambda: 2)
     # each node is a host of its own to NCCL (its same-host transports need one namespace)
     assert len({sim.environment(n)["NCCL_HOSTID"] for n in range(3)}) == 3
     assert sim.environment(0)["NCCL_IB_DISABLE"] == "1"
