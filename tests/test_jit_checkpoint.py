@@ -302,6 +302,32 @@ def test_a_restarted_coordinator_takes_the_job_up_and_recovers_a_later_fault(
     assert recovery["ranks"] == [1] and recovery["verified"] is True
 
 
+@pytest.mark.long  # the restart itself is the test above's
+def test_a_hung_coordinator_is_stopped_and_started_again(tmp_path, tmp_path_factory):
+    """The coordinator stopped (SIGSTOP: alive, its connections open, silent): its launcher,
+    which asks it how the job is every 2 s, kills it once it has not answered for 10 s and
+    starts it again; the job goes on in the same worker processes, bit-identical."""
+    two = ["--nproc-per-node", "2", *FAST]
+    slow = [str(DEMO), "--preset", "tiny", "--steps", "12", "--step-sleep", "0.3"]
+    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
+    proc = start_run([*two, *slow], tmp_path)
+    seen = _read_until(proc, "step 3 loss")
+    hung = _job_process(seen, "xmig.coord")
+    hung.suspend()
+    stopped = time.monotonic()
+    seen += _read_until(proc, "it is hung")
+    assert 10 <= time.monotonic() - stopped < 30
+    result = finish_run(proc, tmp_path, timeout=120)
+    result.output = seen + result.output
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected, "not bit-identical"
+    assert f"the coordinator (PID {hung.pid}) has not answered for 10 s" in result.output
+    assert "the coordinator died (exit -9); starting it again (1 of 3)" in result.output
+    assert summary["coordinator_pid"] != hung.pid
+    assert all(len(pids) == 1 for pids in summary["worker_pids"].values())  # same processes
+
+
 @pytest.mark.long  # test_etcd.py's job has its leader killed mid-recovery in CI
 def test_a_recovery_the_coordinator_died_in_starts_over(tmp_path, tmp_path_factory):
     """The coordinator SIGKILLed in the middle of a recovery: the restarted one does not know

@@ -298,3 +298,25 @@ def test_a_buffered_connection_reads_bursts_and_split_frames_alike():
     finally:
         left.close()
         right.close()
+
+
+def test_a_peer_that_reads_nothing_is_cut_off_within_the_bound():
+    """``send_within`` gives up on a peer whose receive buffer stays full, after its bound,
+    and closes the connection; a peer that reads gets the frame whole."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    left = socket.create_connection(listener.getsockname())
+    right, _ = listener.accept()
+    listener.close()
+    try:
+        sender, reader = Connection(left), Connection(right, buffered=True)
+        sender.send_within(wire.pack({"n": 1}), 1.0)
+        assert reader.recv() == {"n": 1}
+        big = wire.pack({"pad": "x" * (32 << 20)})  # more than both sockets' buffers hold
+        started = time.monotonic()
+        with pytest.raises(WireError, match="read nothing for 1 s"):
+            sender.send_within(big, 1.0)
+        assert 0.9 < time.monotonic() - started < 5.0
+        assert sender.closed
+    finally:
+        left.close()
+        right.close()

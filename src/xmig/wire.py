@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -134,6 +135,32 @@ class Connection:
             except OSError as exc:
                 raise WireError(f"send failed: {exc}") from exc
 
+    def send_within(self, data: bytes, timeout: float) -> None:
+        """Send a frame ``pack`` made, giving up after ``timeout`` seconds: a peer that stops
+        reading cannot hold the sender for longer. The socket's own timeout is left alone
+        (its reader thread shares it); a frame cut off leaves the connection unusable, so
+        it is closed."""
+        deadline = time.monotonic() + timeout
+        view = memoryview(data)
+        with self._send_lock:
+            while view:
+                try:
+                    view = view[self.sock.send(view, socket.MSG_DONTWAIT) :]
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise WireError(f"send failed: {exc}") from exc
+                if not view:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.close()
+                    raise WireError(f"the peer read nothing for {timeout:.0f} s")
+                try:
+                    select.select([], [self.sock], [], left)
+                except (OSError, ValueError) as exc:  # closed meanwhile
+                    raise WireError(f"send failed: {exc}") from exc
+
     def _recv_exact(self, n: int, deadline: float | None = None) -> bytes:
         buf = self._buf
         while len(buf) < n:
@@ -239,10 +266,14 @@ class Peer:
         """Send a one-way notice; False when the peer is gone."""
         return self.push_packed(pack(msg))
 
-    def push_packed(self, data: bytes) -> bool:
-        """``push`` of a frame ``pack`` made."""
+    def push_packed(self, data: bytes, within: float | None = None) -> bool:
+        """``push`` of a frame ``pack`` made; with ``within``, a peer that has read nothing
+        for that many seconds is cut off (False)."""
         try:
-            self.conn.send_packed(data)
+            if within is None:
+                self.conn.send_packed(data)
+            else:
+                self.conn.send_within(data, within)
             return True
         except WireError:
             return False

@@ -62,6 +62,9 @@ CHECK_INTERVAL_S = 0.1  # how often deadlines and agents' silence are checked
 LEADER_TTL_S = 2
 LOST_LEAD_EXIT_CODE = 4
 REPLY_TIMEOUT_S = 30.0  # how long a request waits for the decision thread
+# an agent that reads nothing of an order for this long is cut off (its node is then lost):
+# the decision thread, which sends every order, is never held longer by one peer
+PUSH_TIMEOUT_S = 5.0
 ROLES = {"agent": Party.AGENT, "launcher": Party.LAUNCHER, "client": Party.LAUNCHER}
 
 log = logging.getLogger(__name__)
@@ -332,7 +335,8 @@ class Coordinator:
 
     def _push(self, node: int, msg: Message, data: bytes | None = None) -> None:
         peer = self.peers.get(node)
-        if peer is not None and peer.push_packed(data if data is not None else pack(encode(msg))):
+        data = data if data is not None else pack(encode(msg))
+        if peer is not None and peer.push_packed(data, within=PUSH_TIMEOUT_S):
             return
         if isinstance(msg, StopWorkers):  # it cannot stop anything: count it stopped
             self._queue.put(_Pending(AgentLost(node)))
@@ -349,7 +353,8 @@ class Coordinator:
             if seen is not None and now - seen > self.spec.heartbeat_timeout:
                 self.agent_seen.pop(node, None)
                 log.info("agent of node %d silent for %.1f s", node, now - seen)
-                peer.push(encode(Shutdown()))  # should it come back: its node is given up
+                # should it come back: its node is given up
+                peer.push_packed(pack(encode(Shutdown())), within=PUSH_TIMEOUT_S)
                 self._queue.put(_Pending(AgentLost(node)))
 
     def _finish(self, summary: dict[str, Any]) -> None:
@@ -359,8 +364,9 @@ class Coordinator:
             launchers = list(self.launchers)
         self.events.write("outcome", time.time(), {"status": summary["status"],
                                                    "message": summary["message"]})  # fmt: skip
+        shutdown, result = pack(encode(Shutdown())), pack(encode(Result(summary=summary)))
         for node in sorted(self.peers):
-            self.peers[node].push(encode(Shutdown()))
+            self.peers[node].push_packed(shutdown, within=PUSH_TIMEOUT_S)
         for launcher in launchers:
-            launcher.push(encode(Result(summary=summary)))
+            launcher.push_packed(result, within=PUSH_TIMEOUT_S)
         self.finished.set()

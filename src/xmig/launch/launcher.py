@@ -42,6 +42,10 @@ from xmig.wire import (
 )
 
 COORDINATOR_START_TIMEOUT_S = 120.0
+COORDINATOR_PING_S = 2.0  # how often a launcher asks the coordinator it started how it is
+# a coordinator that has not answered for this long (at least; five heartbeat timeouts) is
+# hung (its decision thread stuck, its process stopped): it is killed and started again
+COORDINATOR_STALL_MIN_S = 10.0
 SHUTDOWN_TIMEOUT_S = 15.0
 SAVE_SLACK_S = 10.0  # beyond the ranks' time to save, for the agents to stop them and end
 # create_time() adds the boot time, which the kernel derives from the wall clock: a clock
@@ -212,6 +216,7 @@ class Launcher:
         self._leader: int | None = None  # the leadership (etcd revision) connected to
         self.agents: list[subprocess.Popen] = []
         self.client: Client | None = None
+        self._ended = threading.Event()  # the launcher is shutting the job down
         self.job_file: Path | None = None
         self._result: dict[str, Any] | None = None
         self._result_ready = threading.Event()
@@ -418,6 +423,38 @@ class Launcher:
 
         threading.Thread(target=watch, name="xmig-agents", daemon=True).start()
 
+    @property
+    def coordinator_stall_s(self) -> float:
+        return max(COORDINATOR_STALL_MIN_S, 5 * self.spec.heartbeat_timeout)
+
+    def _watch_coordinator(self) -> None:
+        """(The coordinator's host, embedded coordinator.) Ask the coordinator how the job is,
+        every ``COORDINATOR_PING_S``; one that has not answered within ``coordinator_stall_s``
+        is hung (a process that is alive but silent is never noticed by its connections):
+        it is killed, and so started again like one that died."""
+        if not self.hosts_coordinator or self.spec.control_plane is not None:
+            return
+
+        def watch() -> None:
+            while not self._ended.wait(COORDINATOR_PING_S):
+                proc, client = self.coordinator, self.client
+                if proc is None or client is None or proc.poll() is not None:
+                    continue
+                try:
+                    client.call("status", timeout=self.coordinator_stall_s)
+                except TimeoutError:
+                    if self._ended.is_set() or self._result is not None:
+                        return
+                    print(f"xmig: the coordinator (PID {proc.pid}) has not answered for "
+                          f"{self.coordinator_stall_s:.0f} s: it is hung; it is stopped and "
+                          "started again", file=sys.stderr, flush=True)  # fmt: skip
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+                except (WireError, RemoteError, OSError):
+                    continue  # gone or refusing: the connection's end says what follows
+
+        threading.Thread(target=watch, name="xmig-coordinator-watch", daemon=True).start()
+
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -442,6 +479,7 @@ class Launcher:
             assert self.client is not None
             self._watch_agents()
             joined = self.client.call("wait_result")
+            self._watch_coordinator()
             self.spec = replace(self.spec, master_port=int(joined["store_port"]))
             self._write_job_file(address)
             self._say_started(address)
@@ -656,6 +694,7 @@ class Launcher:
 
     def _shutdown(self) -> None:
         """Every process of the job ends, within a bound, whatever happened."""
+        self._ended.set()
         if self.client is not None:
             self.client.close()
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
