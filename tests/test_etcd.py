@@ -148,3 +148,48 @@ def test_an_etcd_that_cannot_be_reached_stops_the_launch_with_one_line(tmp_path)
     (line,) = result.output.strip().splitlines()
     assert line.startswith("xmig: error: etcd at etcd://127.0.0.1:9: reaching the cluster failed")
     assert time.monotonic() - started < 40
+
+
+@needs_etcd
+def test_a_launcher_passes_over_a_leader_that_died_before_it_connected(etcd_cluster):
+    """etcd names a leader that died before the launcher reached it (a race the job test
+    above hit now and then): the launcher asks etcd again and connects to the successor,
+    rather than knocking at the dead one's port for the whole rejoin timeout."""
+    from xmig.jobspec import JobSpec
+    from xmig.launch.launcher import Launcher
+    from xmig.wire import Server, format_address
+
+    from etcd_harness import _free_ports
+
+    token = "t" * 64
+    asked = []
+    successor = Server("127.0.0.1", 0, token, lambda _peer, msg: asked.append(msg["op"]) or {},
+                       name="successor").start()  # fmt: skip
+    plane = ControlPlane(etcd_cluster.url, "job-race")
+    (nobody,) = _free_ports(1)
+    dead = plane.campaign(candidate("dead", nobody), TTL, threading.Event())
+    assert dead is not None
+    spec = JobSpec(job_id="job-race", script="train.py", args=(), cwd="/", nnodes=1,
+                   nproc_per_node=1, control_plane=etcd_cluster.url,
+                   rejoin_timeout=20.0)  # fmt: skip
+    launcher = Launcher(spec, None, token=token)
+
+    def take_over() -> None:
+        time.sleep(1.0)
+        dead.resign()
+        alive = Leader(address=format_address(successor.address), store="127.0.0.1:1", pid=2,
+                       since=time.time())  # fmt: skip
+        plane.campaign(alive, TTL, threading.Event())
+
+    threading.Thread(target=take_over, daemon=True).start()
+    started = time.monotonic()
+    try:
+        assert launcher._follow_leader("1 of 3")
+        assert asked == ["wait_result"]
+        assert time.monotonic() - started < 10.0
+    finally:
+        if launcher.client is not None:
+            launcher.client.close()
+        successor.close()
+        plane.clear()
+        plane.close()

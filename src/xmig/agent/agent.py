@@ -87,6 +87,9 @@ log = logging.getLogger(__name__)
 
 
 CONNECT_TIMEOUT_S = 10.0  # the coordinator is up before one launcher starts its agents
+# (HA control plane) a leader etcd names that does not take the connection within this long
+# has died too: etcd is asked again for its successor
+LEADER_CONNECT_S = 3.0
 
 
 class JoinRefused(Exception):
@@ -281,6 +284,7 @@ class Agent:
         self._outbox: list[Message] | None = None
         self._reconnecting = False
         self._lost_at: float | None = None
+        self._rejoin_deadline = 0.0  # (monotonic) until when a lost coordinator is waited for
         self._criu_status: CriuStatus | None = None
 
     @property
@@ -647,6 +651,7 @@ class Agent:
         if self._job is not None and self._job.coordinator_restarts > 0:
             self._reconnecting = True
             self._lost_at = time.time()
+            self._rejoin_deadline = time.monotonic() + self._job.rejoin_timeout
             if self._outbox is None:
                 self._outbox = []
             log.warning("agent %d lost the coordinator; waiting up to %.0f s for it to be "
@@ -670,19 +675,31 @@ class Agent:
         self.coord_addr, self._leader = parse_address(leader.address), leader.revision
 
     def _reconnect(self) -> None:
-        """(On a thread of its own.) Reach the coordinator again within the rejoin timeout."""
-        try:
-            if self.control_plane is not None:  # a standby takes over: etcd says which
-                self._find_leader(self.job.rejoin_timeout)
-            client = connect_retrying(
-                self.coord_addr, self.token, self.job.rejoin_timeout,
-                info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
-                on_push=self._on_coord_push, on_close=self._on_coord_lost,
-            )  # fmt: skip
-        except WireError as exc:
-            self._post(CoordGone(str(exc)))
+        """(On a thread of its own.) Reach the coordinator again within the rejoin timeout.
+        With an HA control plane, etcd names the leader; one that dies before this agent is
+        back with it is passed over for its successor."""
+        while True:
+            left = self._rejoin_deadline - time.monotonic()
+            try:
+                within = left
+                if self.control_plane is not None:  # a standby takes over: etcd says which
+                    self._find_leader(max(0.1, left))
+                    within = min(max(0.1, self._rejoin_deadline - time.monotonic()),
+                                 LEADER_CONNECT_S)  # fmt: skip
+                client = connect_retrying(
+                    self.coord_addr, self.token, within,
+                    info={"role": "agent", "node": self.node_rank, "pid": os.getpid()},
+                    on_push=self._on_coord_push, on_close=self._on_coord_lost,
+                )  # fmt: skip
+            except WireError as exc:
+                if self.control_plane is None or time.monotonic() >= self._rejoin_deadline:
+                    self._post(CoordGone(str(exc)))
+                    return
+                log.info("agent %d: the leader etcd named is gone too (%s): asking for its "
+                         "successor", self.node_rank, exc)  # fmt: skip
+                continue
+            self._post(CoordBack(client))
             return
-        self._post(CoordBack(client))
 
     def _coord_back(self, event: CoordBack) -> int | None:
         """Say hello again with the workers this node holds, then what waited for it."""
@@ -697,6 +714,13 @@ class Agent:
             reply = self.coord.call(hello.OP, timeout=30.0, **fields_of(hello))
         except (RemoteError, WireError) as exc:
             self.coord.close()
+            if self.control_plane is not None and time.monotonic() < self._rejoin_deadline:
+                # the leader died before it answered (or no longer leads): its successor
+                log.info("agent %d: the leader did not take it back (%s): asking etcd again",
+                         self.node_rank, exc)  # fmt: skip
+                threading.Thread(target=self._reconnect, name="xmig-rejoin",
+                                 daemon=True).start()  # fmt: skip
+                return None
             return self._coord_gone(CoordGone(f"the restarted coordinator refused it: {exc}"))
         # another coordinator may host the job's store elsewhere: where later workers find it
         job = JobSpec.from_json(reply["job"])

@@ -42,6 +42,9 @@ from xmig.wire import (
 )
 
 COORDINATOR_START_TIMEOUT_S = 120.0
+# (HA control plane) a leader etcd names that does not take the connection within this long
+# has died too: etcd is asked again for its successor
+LEADER_CONNECT_S = 3.0
 COORDINATOR_PING_S = 2.0  # how often a launcher asks the coordinator it started how it is
 # a coordinator that has not answered for this long (at least; five heartbeat timeouts) is
 # hung (its decision thread stuck, its process stopped): it is killed and started again
@@ -575,9 +578,22 @@ class Launcher:
                 except LaunchError as exc:
                     print(f"xmig: no new standby coordinator: {exc}", file=sys.stderr,
                           flush=True)  # fmt: skip
-        # the leader's lease runs out first, then a standby takes over
-        return self._reconnect(lambda: self._find_leader(self.spec.rejoin_timeout),
-                               "no coordinator leads the job any more")  # fmt: skip
+        # the leader's lease runs out first, then a standby takes over; one that dies before
+        # this launcher is connected to it is passed over for its successor
+        deadline = time.monotonic() + self.spec.rejoin_timeout
+        while True:
+            try:
+                address = self._find_leader(max(0.1, deadline - time.monotonic()))
+                within = min(max(0.1, deadline - time.monotonic()), LEADER_CONNECT_S)
+                self._connect(address, within=within)
+                assert self.client is not None
+                self.client.call("wait_result")
+                return True
+            except (LaunchError, WireError, RemoteError, TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    print(f"xmig: no coordinator leads the job any more: {exc}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    return False
 
     def _say_started(self, address: str) -> None:
         spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
