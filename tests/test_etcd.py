@@ -19,7 +19,7 @@ from xmig.coord.etcd import (
 )
 
 from etcd_harness import etcd_cluster_fixture, needs_etcd  # noqa: F401 - the fixture
-from helpers import DEMO, FAST, fault_free_sha256, finish_run, run, start_run
+from helpers import DEMO, FAST, fault_free_sha256, finish_run, run, start_run, wait_for
 
 TTL = 1
 
@@ -148,6 +148,57 @@ def test_an_etcd_that_cannot_be_reached_stops_the_launch_with_one_line(tmp_path)
     (line,) = result.output.strip().splitlines()
     assert line.startswith("xmig: error: etcd at etcd://127.0.0.1:9: reaching the cluster failed")
     assert time.monotonic() - started < 40
+
+
+@needs_etcd
+@pytest.mark.long  # the takeover itself is the job test above's
+def test_a_hung_leader_is_stopped_by_its_launcher_and_a_standby_takes_over(
+    etcd_cluster, tmp_path, tmp_path_factory
+):
+    """The leader stopped (SIGSTOP): its lease runs out and a standby takes over, but the
+    stopped leader's connections stay open, so nobody would look for the standby; its
+    launcher kills it once it has not answered for 10 s, the agent rejoins the standby, and
+    the run is bit-identical. The standby may have ended the job before the launcher reached
+    it: the launcher then finds the outcome in etcd."""
+    two = ["--nproc-per-node", "2", *FAST]
+    slow = [str(DEMO), "--preset", "tiny", "--steps", "14", "--step-sleep", "0.3"]
+    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
+    proc = start_run([*two, "--control-plane", etcd_cluster.url, *slow], tmp_path)
+    seen = _read_until(proc, "step 3 loss")
+    job_id = seen.split("xmig: job ", 1)[1].split(":", 1)[0]
+    plane = ControlPlane(etcd_cluster.url, job_id)
+    hung = plane.leader()
+    os.kill(hung.pid, signal.SIGSTOP)
+    seen += _read_until(proc, "it is hung")
+    result = finish_run(proc, tmp_path, timeout=180)
+    result.output = seen + result.output
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected, "not bit-identical"
+    assert f"the coordinator (PID {hung.pid}) has not answered for 10 s" in result.output
+    (took,) = summary["coordinator_restarts"]
+    assert took["how"] == "took over" and summary["coordinator_pid"] != hung.pid
+    assert all(len(pids) == 1 for pids in summary["worker_pids"].values())
+    assert plane.get_snapshot() is None
+    # a standby stopped at the end lets its lease run out (at most its TTL, 2 s)
+    wait_for(lambda: plane.leader() is None, 5.0, "the leader key to go")
+    plane.close()
+
+
+@needs_etcd
+def test_an_ended_jobs_outcome_is_kept_for_late_comers_but_not_for_a_new_run(etcd_cluster):
+    plane = ControlPlane(etcd_cluster.url, "job-end")
+    before = time.time()
+    leadership = plane.campaign(candidate("a", 1000), TTL, threading.Event())
+    plane.put_snapshot(leadership, {"generation": 1})
+    plane.end({"status": "completed", "exit_code": 0})
+    leadership.resign()
+    assert plane.get_snapshot() is None  # no standby takes the job up again
+    assert plane.outcome(since=before) == {"status": "completed", "exit_code": 0}
+    assert plane.outcome(since=time.time() + 1) is None  # a process of a later run
+    plane.clear()
+    assert plane.outcome(since=before) is None
+    plane.close()
 
 
 @needs_etcd

@@ -37,6 +37,9 @@ RESUME = "XMIG_RESUME"
 # a host's own launch (``xmig.jobspec.HostLaunch`` JSON), from its launcher to its agent
 HOST_LAUNCH = "XMIG_HOST_LAUNCH"
 COORD_RESTART = "XMIG_COORD_RESTART"  # a coordinator started again: how many ran before
+# (HA control plane) when this host's launcher started the run (wall time): an ended job's
+# outcome in etcd is this run's if it ended later, an earlier run's under the same id if not
+LAUNCHED_AT = "XMIG_LAUNCHED_AT"
 JOIN_REFUSED_EXIT_CODE = 3  # an agent the job did not take (its line says why)
 
 ROLE_NAME = "default"  # torchrun's one role

@@ -31,8 +31,9 @@ The channels between processes, all of them:
   coordinator's snapshot that a restarted one reads: ``xmig.coord.snapshot``);
 - with one launcher per host, a host's own launch from its launcher to its agent
   (``XMIG_HOST_LAUNCH``); a restarted coordinator's count (``XMIG_COORD_RESTART``);
-- with an HA control plane, the etcd keys ``/xmig/JOB/leader`` (who leads, on its lease) and
-  ``/xmig/JOB/snapshot`` (``xmig.coord.etcd``).
+- with an HA control plane, the etcd keys ``/xmig/JOB/leader`` (who leads, on its lease),
+  ``/xmig/JOB/snapshot`` and, once the job has ended, ``/xmig/JOB/outcome``
+  (``xmig.coord.etcd``), and the run's launch time to its coordinators (``XMIG_LAUNCHED_AT``).
 """
 
 from __future__ import annotations

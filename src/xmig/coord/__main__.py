@@ -56,9 +56,13 @@ def main() -> int:
     ):
         time.sleep(0.02)
     if coord.plane is not None and coord.leadership is not None:
-        # the job is over: its keys go (the snapshot first, so that no standby takes it up)
+        # the job is over: its outcome stays (a launcher or standby that comes late finds it
+        # there), its snapshot goes first (no standby may take the job up again)
         with contextlib.suppress(ControlPlaneError):
-            coord.plane.clear()
+            if coord.summary is not None:
+                coord.plane.end(coord.summary)
+            else:
+                coord.plane.clear()
         coord.leadership.resign()
     return 0 if coord.status == "completed" else 1
 

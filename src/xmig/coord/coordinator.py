@@ -40,6 +40,7 @@ from xmig.coord.snapshot import (
     snapshot_path,
     write_snapshot,
 )
+from xmig.jobenv import LAUNCHED_AT
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.paths import job_folder
 from xmig.protocol import (
@@ -108,6 +109,9 @@ class Coordinator:
         )
         self.spec = dataclasses.replace(spec, master_port=self.store.port)
         self.token = token
+        # when this run was launched (``LAUNCHED_AT``): an ended job's outcome in etcd is
+        # this run's if it ended later (a standby started near the end is still this run's)
+        self.started_wall = float(os.environ.get(LAUNCHED_AT) or time.time())
         self.server = Server(spec.master_addr, spec.coord_port, token, self._handle,
                              on_close=self._on_close, name="coord")  # fmt: skip
         self.launch = HostLaunch.of(spec) if spec.multi_host else None
@@ -152,6 +156,12 @@ class Coordinator:
                     pid=os.getpid(), since=time.time())  # fmt: skip
         leadership = self.plane.campaign(me, LEADER_TTL_S, stop)
         if leadership is None:
+            return False
+        ended = self.plane.outcome(since=self.started_wall)
+        if ended is not None:  # a standby that won after the job's end: nothing to lead
+            log.info("job %s has ended already (%s): this coordinator stops",
+                     self.spec.job_id, ended.get("status"))  # fmt: skip
+            leadership.resign()
             return False
         self.leadership = leadership
         data = self.plane.get_snapshot()

@@ -29,6 +29,8 @@ SCHEME = "etcd://"
 CALL_TIMEOUT_S = 1.0  # one request to one member
 ENDPOINT_RETRY_S = 0.3  # a member that failed is tried again after this long
 RETRY_INTERVAL_S = 0.1
+# how long an ended job's outcome stays in etcd, for a launcher or standby that comes late
+OUTCOME_TTL_S = 300
 T = TypeVar("T")
 
 
@@ -90,6 +92,10 @@ class ControlPlane:
     @property
     def snapshot_key(self) -> str:
         return self.prefix + "snapshot"
+
+    @property
+    def outcome_key(self) -> str:
+        return self.prefix + "outcome"
 
     def _call(self, what: str, call: Callable[[], T], within: float | None = None) -> T:
         """``call()``, tried again on another member until ``within`` seconds have passed."""
@@ -173,8 +179,27 @@ class ControlPlane:
         value, _ = self._call("reading the snapshot", lambda: self.client.get(self.snapshot_key))
         return json.loads(value) if value is not None else None
 
+    def end(self, summary: dict[str, Any]) -> None:
+        """The job has ended: its summary is kept (for ``OUTCOME_TTL_S``, for a launcher or
+        standby that comes late), its snapshot goes (no standby takes the job up again)."""
+        lease = self._call("granting a lease", lambda: self.client.lease(OUTCOME_TTL_S).id)
+        record = json.dumps({"ended": time.time(), "summary": summary}, default=str)
+        self._call("keeping the outcome",
+                   lambda: self.client.put(self.outcome_key, record, lease=lease))  # fmt: skip
+        self._call("removing the snapshot", lambda: self.client.delete(self.snapshot_key))
+
+    def outcome(self, since: float) -> dict[str, Any] | None:
+        """The summary of the job if it ended at ``since`` (a wall time) or later; one that
+        ended before is an earlier run's under the same id (a process started after that
+        run ended is a new run's)."""
+        value, _ = self._call("reading the outcome", lambda: self.client.get(self.outcome_key))
+        if value is None:
+            return None
+        data = json.loads(value)
+        return dict(data["summary"]) if float(data["ended"]) >= since else None
+
     def clear(self) -> None:
-        """Remove the job's keys (its end)."""
+        """Remove the job's keys."""
         self._call("removing the job's keys", lambda: self.client.delete_prefix(self.prefix))
 
     def close(self) -> None:

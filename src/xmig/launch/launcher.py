@@ -25,7 +25,14 @@ import psutil
 
 from xmig.coord.checkpoint import saved_states_complete, seal_saved_states
 from xmig.coord.migration import job_images
-from xmig.jobenv import COORD_RESTART, HOST_LAUNCH, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN
+from xmig.jobenv import (
+    COORD_RESTART,
+    HOST_LAUNCH,
+    JOB_ID,
+    JOIN_REFUSED_EXIT_CODE,
+    LAUNCHED_AT,
+    TOKEN,
+)
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
 from xmig.paths import jobs_dir
@@ -219,7 +226,8 @@ class Launcher:
         self._leader: int | None = None  # the leadership (etcd revision) connected to
         self.agents: list[subprocess.Popen] = []
         self.client: Client | None = None
-        self._ended = threading.Event()  # the launcher is shutting the job down
+        self._ended_event = threading.Event()  # the launcher is shutting the job down
+        self.started_wall = time.time()  # this run's start (``LAUNCHED_AT``)
         self.job_file: Path | None = None
         self._result: dict[str, Any] | None = None
         self._result_ready = threading.Event()
@@ -231,6 +239,7 @@ class Launcher:
         env = dict(os.environ)
         env[TOKEN] = self.token
         env[JOB_ID] = self.spec.job_id
+        env[LAUNCHED_AT] = repr(self.started_wall)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -247,6 +256,19 @@ class Launcher:
         ready = _read_ready_line(proc, COORDINATOR_START_TIMEOUT_S)
         if "error" in ready:
             raise LaunchError(ready["error"])
+
+    def _ended(self) -> dict[str, Any] | None:
+        """(HA control plane.) The job's summary, if it ended and its leader is gone."""
+        from xmig.coord.etcd import ControlPlane, ControlPlaneError
+
+        assert self.spec.control_plane is not None
+        plane = ControlPlane(self.spec.control_plane, self.spec.job_id)
+        try:
+            return plane.outcome(since=self.started_wall)
+        except ControlPlaneError as exc:
+            raise LaunchError(str(exc)) from None
+        finally:
+            plane.close()
 
     def _find_leader(self, within: float) -> str:
         """The address of the coordinator that leads now (another than last time)."""
@@ -431,26 +453,29 @@ class Launcher:
         return max(COORDINATOR_STALL_MIN_S, 5 * self.spec.heartbeat_timeout)
 
     def _watch_coordinator(self) -> None:
-        """(The coordinator's host, embedded coordinator.) Ask the coordinator how the job is,
-        every ``COORDINATOR_PING_S``; one that has not answered within ``coordinator_stall_s``
-        is hung (a process that is alive but silent is never noticed by its connections):
-        it is killed, and so started again like one that died."""
-        if not self.hosts_coordinator or self.spec.control_plane is not None:
+        """(A launcher that started coordinators.) Ask the coordinator how the job is, every
+        ``COORDINATOR_PING_S``; one that has not answered within ``coordinator_stall_s`` is
+        hung (a process that is alive but silent is never noticed by its connections): it is
+        killed, and so started again, or succeeded by a standby, like one that died. With an
+        HA control plane, the leader is watched by the launcher that started it."""
+        if not self.hosts_coordinator and not self.candidates:
             return
 
         def watch() -> None:
-            while not self._ended.wait(COORDINATOR_PING_S):
+            while not self._ended_event.wait(COORDINATOR_PING_S):
                 proc, client = self.coordinator, self.client
                 if proc is None or client is None or proc.poll() is not None:
                     continue
                 try:
                     client.call("status", timeout=self.coordinator_stall_s)
                 except TimeoutError:
-                    if self._ended.is_set() or self._result is not None:
+                    if self._ended_event.is_set() or self._result is not None:
                         return
+                    then = ("a standby takes over" if self.spec.control_plane is not None
+                            else "it is started again")  # fmt: skip
                     print(f"xmig: the coordinator (PID {proc.pid}) has not answered for "
                           f"{self.coordinator_stall_s:.0f} s: it is hung; it is stopped and "
-                          "started again", file=sys.stderr, flush=True)  # fmt: skip
+                          f"{then}", file=sys.stderr, flush=True)  # fmt: skip
                     with contextlib.suppress(OSError):
                         proc.kill()
                 except (WireError, RemoteError, OSError):
@@ -579,11 +604,18 @@ class Launcher:
                     print(f"xmig: no new standby coordinator: {exc}", file=sys.stderr,
                           flush=True)  # fmt: skip
         # the leader's lease runs out first, then a standby takes over; one that dies before
-        # this launcher is connected to it is passed over for its successor
+        # this launcher is connected to it is passed over for its successor; a job that ended
+        # meanwhile left its outcome in etcd
         deadline = time.monotonic() + self.spec.rejoin_timeout
         while True:
             try:
-                address = self._find_leader(max(0.1, deadline - time.monotonic()))
+                ended = self._ended()
+                if ended is not None:
+                    self._result = ended
+                    self._result_ready.set()
+                    return True
+                address = self._find_leader(min(max(0.1, deadline - time.monotonic()),
+                                                LEADER_CONNECT_S))  # fmt: skip
                 within = min(max(0.1, deadline - time.monotonic()), LEADER_CONNECT_S)
                 self._connect(address, within=within)
                 assert self.client is not None
@@ -710,7 +742,7 @@ class Launcher:
 
     def _shutdown(self) -> None:
         """Every process of the job ends, within a bound, whatever happened."""
-        self._ended.set()
+        self._ended_event.set()
         if self.client is not None:
             self.client.close()
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
