@@ -125,6 +125,17 @@ def finish_run(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> Result
     return result
 
 
+def finish_bit_identical(proc: subprocess.Popen, tmp_path: Path, seen: str, expected: str,
+                         timeout: float = 180.0) -> Result:  # fmt: skip
+    """``finish_run`` of a job that must end well: exit code 0 and the fault-free run's final
+    parameters (``seen``: its output read so far, put in front)."""
+    result = finish_run(proc, tmp_path, timeout=timeout)
+    result.output = seen + result.output
+    assert result.returncode == 0, result.output
+    assert result.summary["final_params_sha256"] == expected, "not bit-identical"
+    return result
+
+
 def run(args: list[str], tmp_path: Path, timeout: float = 180.0, env: dict | None = None) -> Result:
     """``xmig run --summary … ARGS``, bounded; asserts afterwards that no process remains."""
     return finish_run(start_run(args, tmp_path, env), tmp_path, timeout)

@@ -19,7 +19,16 @@ from xmig.coord.etcd import (
 )
 
 from etcd_harness import etcd_cluster_fixture, needs_etcd  # noqa: F401 - the fixture
-from helpers import DEMO, FAST, fault_free_sha256, finish_run, run, start_run, wait_for
+from helpers import (
+    DEMO,
+    FAST,
+    fault_free_sha256,
+    finish_bit_identical,
+    finish_run,
+    run,
+    start_run,
+    wait_for,
+)
 
 TTL = 1
 
@@ -103,6 +112,18 @@ def test_an_etcd_that_cannot_be_reached_is_a_clear_error_within_its_timeout():
 # ---- a job on the HA control plane ------------------------------------------------------
 
 
+def start_ha_job(etcd_cluster, tmp_path, tmp_path_factory, steps: int, *extra: str):
+    """A job of 2 ranks on the HA control plane, read up to its step 3: (its launcher, the
+    output so far, the job's ``ControlPlane``, the fault-free run's final parameters)."""
+    two = ["--nproc-per-node", "2", *FAST]
+    slow = [str(DEMO), "--preset", "tiny", "--steps", str(steps), "--step-sleep", "0.3"]
+    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
+    proc = start_run([*two, "--control-plane", etcd_cluster.url, *extra, *slow], tmp_path)
+    seen = _read_until(proc, "step 3 loss")
+    job_id = seen.split("xmig: job ", 1)[1].split(":", 1)[0]
+    return proc, seen, ControlPlane(etcd_cluster.url, job_id), expected
+
+
 @needs_etcd
 def test_a_job_goes_on_through_its_leaders_deaths_and_an_etcd_members(
     etcd_cluster, tmp_path, tmp_path_factory
@@ -110,14 +131,8 @@ def test_a_job_goes_on_through_its_leaders_deaths_and_an_etcd_members(
     """Two coordinators on a 3-member etcd: the leader SIGKILLed mid-run, then the next one
     in the middle of a recovery, and etcd's own leader SIGKILLed; a standby takes over each
     time, and the run ends bit-identical with its survivor in the same process."""
-    two = ["--nproc-per-node", "2", *FAST]
-    slow = [str(DEMO), "--preset", "tiny", "--steps", "16", "--step-sleep", "0.3"]
-    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
-    proc = start_run([*two, "--control-plane", etcd_cluster.url, "--inject",
-                      "kill:rank=1:step=10:at=backward", *slow], tmp_path)  # fmt: skip
-    seen = _read_until(proc, "step 3 loss")
-    job_id = seen.split("xmig: job ", 1)[1].split(":", 1)[0]
-    plane = ControlPlane(etcd_cluster.url, job_id)
+    kill = ["--inject", "kill:rank=1:step=10:at=backward"]
+    proc, seen, plane, expected = start_ha_job(etcd_cluster, tmp_path, tmp_path_factory, 16, *kill)
     first = plane.leader()
     os.kill(first.pid, signal.SIGKILL)
     seen += _read_until(proc, "step 6 loss")
@@ -160,21 +175,12 @@ def test_a_hung_leader_is_stopped_by_its_launcher_and_a_standby_takes_over(
     launcher kills it once it has not answered for 10 s, the agent rejoins the standby, and
     the run is bit-identical. The standby may have ended the job before the launcher reached
     it: the launcher then finds the outcome in etcd."""
-    two = ["--nproc-per-node", "2", *FAST]
-    slow = [str(DEMO), "--preset", "tiny", "--steps", "14", "--step-sleep", "0.3"]
-    expected = fault_free_sha256([*two, *slow], tmp_path_factory)
-    proc = start_run([*two, "--control-plane", etcd_cluster.url, *slow], tmp_path)
-    seen = _read_until(proc, "step 3 loss")
-    job_id = seen.split("xmig: job ", 1)[1].split(":", 1)[0]
-    plane = ControlPlane(etcd_cluster.url, job_id)
+    proc, seen, plane, expected = start_ha_job(etcd_cluster, tmp_path, tmp_path_factory, 14)
     hung = plane.leader()
     os.kill(hung.pid, signal.SIGSTOP)
     seen += _read_until(proc, "it is hung")
-    result = finish_run(proc, tmp_path, timeout=180)
-    result.output = seen + result.output
-    assert result.returncode == 0, result.output
+    result = finish_bit_identical(proc, tmp_path, seen, expected)
     summary = result.summary
-    assert summary["final_params_sha256"] == expected, "not bit-identical"
     assert f"the coordinator (PID {hung.pid}) has not answered for 10 s" in result.output
     (took,) = summary["coordinator_restarts"]
     assert took["how"] == "took over" and summary["coordinator_pid"] != hung.pid

@@ -15,7 +15,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import DEMO, FAST, REPO, fault_free_sha256, finish_run, job_processes, run, start_run
+from helpers import (
+    DEMO,
+    FAST,
+    REPO,
+    fault_free_sha256,
+    finish_bit_identical,
+    finish_run,
+    job_processes,
+    run,
+    start_run,
+)
 
 STEPS = 8
 DEMO_ARGS = [str(DEMO), "--preset", "tiny", "--steps", str(STEPS), "--quiet"]
@@ -317,11 +327,8 @@ def test_a_hung_coordinator_is_stopped_and_started_again(tmp_path, tmp_path_fact
     stopped = time.monotonic()
     seen += _read_until(proc, "it is hung")
     assert 10 <= time.monotonic() - stopped < 30
-    result = finish_run(proc, tmp_path, timeout=120)
-    result.output = seen + result.output
-    assert result.returncode == 0, result.output
+    result = finish_bit_identical(proc, tmp_path, seen, expected, timeout=120)
     summary = result.summary
-    assert summary["final_params_sha256"] == expected, "not bit-identical"
     assert f"the coordinator (PID {hung.pid}) has not answered for 10 s" in result.output
     assert "the coordinator died (exit -9); starting it again (1 of 3)" in result.output
     assert summary["coordinator_pid"] != hung.pid
