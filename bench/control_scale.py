@@ -55,12 +55,10 @@ import contextlib
 import dataclasses
 import hashlib
 import heapq
-import importlib.metadata
 import itertools
 import json
 import logging
 import os
-import platform
 import queue
 import re
 import secrets
@@ -79,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from machine_info import machine
 
 from xmig import protocol as proto
 from xmig.jobenv import JOB_ID, TOKEN
@@ -1163,23 +1162,6 @@ def others_running() -> list[str]:
         if p.info["pid"] != os.getpid() and OTHER_BENCHES.search(cmd):
             found.append(f"{p.info['pid']}: {cmd[:80]}")
     return found
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    try:
-        torch = importlib.metadata.version("torch")  # not imported: the stubs need no torch
-    except importlib.metadata.PackageNotFoundError:
-        torch = "not installed"
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB, Linux "
-        f"{platform.release()}, Python {platform.python_version()}, torch {torch}"
-    )
 
 
 def code_version() -> str:

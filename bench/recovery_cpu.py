@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 
 import psutil
-import torch
+from machine_info import machine  # (the other benches take it from here too)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "examples" / "train_gpt.py"
@@ -157,18 +156,6 @@ def write_report(path: Path, lines: list[str], echo: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     print("\n".join(lines) if echo else f"wrote {path}")
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
-    system = f"{os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB, Linux {platform.release()}"
-    return f"{cpu}, {system}, {versions}"
 
 
 def main() -> int:
