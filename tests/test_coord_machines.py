@@ -43,6 +43,8 @@ from xmig.protocol import (
     Paused,
     PauseRefused,
     Position,
+    Prepare,
+    Prepared,
     Progress,
     Rebuild,
     Recovered,
@@ -594,18 +596,44 @@ def test_a_lost_node_without_a_spare_node_stops_the_job():
 # ---- migration -----------------------------------------------------------------------------
 
 
-def migrating_job(**fields):
+def migrating_job(prepared=True, **fields):
+    """A job migrating rank 1 to node 2; ``prepared``: rank 1 has made its room (room for
+    3 bytes, at step 3), so every rank is told to pause."""
     job = running_job(spare_nodes=1, **fields)
     orders = job.on(MigrateRequest(rank=1, to=2), T0)
     assert job.state is S.MIGRATING
+    if prepared:
+        orders = job.on(Prepared(generation=1, ok=True, room_bytes=3, prepare_s=0.05, step=3,
+                                 rank=1), T0)  # fmt: skip
     return job, orders
 
 
-def test_running_to_migrating_pauses_every_rank_at_the_next_boundary():
-    job, orders = migrating_job()
-    assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
+def test_running_to_migrating_asks_the_moving_rank_to_prepare():
+    job, orders = migrating_job(prepared=False)
+    assert sent(orders, Prepare) == [("all", Prepare(generation=1, rank=1))]
+    assert not sent(orders, Pause) and job.migration.phase is MigrationPhase.PREPARING
     assert isinstance(orders[-1], Reply) and "moving rank 1 from node 1 to node 2" in \
         orders[-1].value["migration"]  # fmt: skip
+
+
+def test_prepared_pauses_every_rank_at_the_next_boundary():
+    job, orders = migrating_job()
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
+    assert job.migration.phase is MigrationPhase.PAUSING and job.migration.room_bytes == 3
+
+
+def test_a_rank_that_trained_on_while_preparing_pauses_after_where_it_got():
+    job, _ = migrating_job(prepared=False)
+    assert not job.on(Prepared(generation=1, ok=True, step=9, rank=0), T0)  # not the mover
+    orders = job.on(Prepared(generation=1, ok=True, room_bytes=3, step=9, rank=1), T0)
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=10))]
+
+
+def test_a_rank_that_could_not_prepare_moves_without_parking():
+    job, _ = migrating_job(prepared=False)
+    orders = job.on(Prepared(generation=1, ok=False, error="no room", step=3, rank=1), T0)
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
+    assert job.migration.room_bytes == 0 and job.migration.prepare_error == "no room"
 
 
 def test_a_migration_nobody_can_do_is_refused():
@@ -632,19 +660,27 @@ def test_the_whole_migration_ends_running_with_its_record():
     assert job.migration.phase is MigrationPhase.DUMPING
     ((node, dump),) = sent(orders, Dump)
     assert node == 1 and dump.rank == 1
-    orders = job.on(Dumped(rank=1, node=1, generation=1, ok=True, dump_s=0.3, image_bytes=5),
+    files = [["/dev/shm/xmig-park-j-rank1", 3]]
+    orders = job.on(Dumped(rank=1, node=1, generation=1, ok=True, dump_s=0.3, image_bytes=5,
+                           held_bytes=7, parked_bytes=3, park_s=0.1, host_files=files),
                     T0 + 0.6)  # fmt: skip
     ((node, restore),) = sent(orders, Restore)
     assert node == 2 and restore.pid == 201 and job.migration.phase is MigrationPhase.RESTORING
+    assert restore.host_files == files
     job.on(Restored(rank=1, node=2, generation=1, ok=True, pid=201, restore_s=0.2), T0 + 0.9)
     assert job.members[1].node == 2 and job.migration.phase is MigrationPhase.REJOINING
-    orders = job.on(Rejoined(generation=1, netns=7, rank=1), T0 + 1.0)
+    orders = job.on(Rejoined(generation=1, netns=7, rank=1, unpark_s=0.05), T0 + 1.0)
     assert sent(orders, Resume) == [("all", Resume(generation=1))]
     job.on(Resumed(generation=1, rank=0), T0 + 1.1)
     job.on(Resumed(generation=1, rank=1), T0 + 1.2)
     assert job.state is S.RUNNING
     (record,) = job.migrations
     assert record["pid_kept"] and record["to_node"] == 2 and record["total_s"] == pytest.approx(1.2)
+    assert (record["held_bytes"], record["parked_bytes"]) == (7, 3)
+    phases = record["phases"]
+    assert (phases["park"], phases["unpark"]) == (0.1, 0.05)
+    assert phases["dump"] == pytest.approx(0.6 - 0.2 - 0.1)  # after every rank paused
+    assert phases["rejoin"] == pytest.approx(1.2 - 0.9 - 0.05)
 
 
 def test_a_failed_dump_stops_the_job():
@@ -656,8 +692,9 @@ def test_a_failed_dump_stops_the_job():
     assert job.reason == "checkpointing rank 1 failed: criu"
 
 
-def test_a_rank_finishing_before_the_pause_drops_the_migration():
-    job, _ = migrating_job()
+@pytest.mark.parametrize("prepared", [False, True])
+def test_a_rank_finishing_before_the_pause_drops_the_migration(prepared):
+    job, _ = migrating_job(prepared=prepared)
     orders = job.on(WorkerDone(rank=0, steps=4, params_sha256=None, checksum=None), T0)
     assert job.state is S.RUNNING and job.migration is None
     assert any("the job finished first" in line for line in said(orders))

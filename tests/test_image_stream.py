@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from xmig.migrate import stream
 from xmig.migrate.stream import ImageServer, StreamError, fetch_images
 from xmig.wire import Connection, server_handshake
 
@@ -67,3 +68,45 @@ def test_a_hostile_manifest_is_refused(tmp_path):
     thread.join(10)
     listener.close()
     assert not (tmp_path / "escape.img").exists()
+
+
+def test_a_host_file_the_target_lacks_is_sent_to_its_own_path(tmp_path, monkeypatch):
+    files = _images(tmp_path / "source")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    parked = shm / "xmig-park-job-rank0"
+    parked.write_bytes(os.urandom(2 * 2**20 + 5))
+    data = parked.read_bytes()
+    server = ImageServer(tmp_path / "source", TOKEN, "127.0.0.1", timeout=30,
+                         host_files=[str(parked)])  # fmt: skip
+    # the target as on another machine: the file is not there (here both share the disk)
+    monkeypatch.setattr(stream, "_present", lambda path, size: False)
+    size, _ = fetch_images(server.address, TOKEN, tmp_path / "target", timeout=30,
+                           accept=lambda path: path.startswith(str(shm)))  # fmt: skip
+    assert parked.read_bytes() == data
+    assert size == sum(len(d) for d in files.values()) + len(data)
+    assert server.sent.wait(10) and server.error is None
+
+
+def test_a_host_file_the_target_has_is_not_sent(tmp_path):
+    files = _images(tmp_path / "source")
+    parked = tmp_path / "xmig-park-job-rank0"
+    parked.write_bytes(b"p" * 4096)
+    server = ImageServer(tmp_path / "source", TOKEN, "127.0.0.1", timeout=30,
+                         host_files=[str(parked)])  # fmt: skip
+    size, _ = fetch_images(server.address, TOKEN, tmp_path / "target", timeout=30,
+                           accept=lambda path: True)  # fmt: skip
+    assert size == sum(len(d) for d in files.values())  # the images only: same machine
+    assert parked.read_bytes() == b"p" * 4096
+    assert server.sent.wait(10) and server.error is None
+
+
+def test_a_host_file_outside_what_the_target_accepts_is_refused(tmp_path):
+    _images(tmp_path / "source")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v")
+    server = ImageServer(tmp_path / "source", TOKEN, "127.0.0.1", timeout=30,
+                         host_files=[str(victim)])  # fmt: skip
+    with pytest.raises(StreamError, match="refusing a host file"):
+        fetch_images(server.address, TOKEN, tmp_path / "target", timeout=30)
+    assert victim.read_bytes() == b"v" and not (tmp_path / "victim.partial").exists()

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from xmig.coord.migration import PHASES
 from xmig.migrate import criu_status
+from xmig.paths import parking_files
 
 from helpers import DEMO, finish_run, run, start_run, xmig
 
@@ -18,7 +20,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="migration needs root (CRIU, namespaces)"),
     pytest.mark.skipif(not usable, reason=f"CRIU is not usable here: {why_not}"),
 ]
-PHASES = ["quiesce", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore", "rejoin"]
 _REFERENCE: dict[tuple[int, int], str] = {}
 
 
@@ -44,7 +45,11 @@ def check_migrated(summary, rank, source, target, world, steps=STEPS):
     # it reported from the target node's network namespace, not the source's
     assert record["netns"] == summary["agent_netns"][str(target)]
     assert record["netns"] != summary["agent_netns"][str(source)]
-    assert list(record["phases"]) == PHASES
+    assert tuple(record["phases"]) == PHASES
+    # its tensors went through a parking file, not through CRIU's images; none is left
+    assert record["room_bytes"] >= record["parked_bytes"] > 0 and record["prepare_error"] is None
+    assert record["phases"]["park"] > 0 and record["phases"]["unpark"] > 0
+    assert parking_files(summary["job_id"]) == []
     assert 0 < record["downtime_s"] <= record["total_s"] < 60
     assert record["image_bytes"] > 0
     assert len(summary["final_params_sha256"]) == 64

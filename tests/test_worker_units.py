@@ -3,6 +3,7 @@ decoding of what the agent pushes, the rollback's optimizer gate, the migration'
 orders and the proxy's inputs from a recovery."""
 
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -337,11 +338,46 @@ def test_an_update_already_waiting_when_a_rollback_comes_fails():
 # ---- a migration's pause orders ----------------------------------------------------------------
 
 
-def _migration():
+def _migration(objects=None, job_id="j"):
     sent = []
     orders, _, _ = _orders(rank=0)
-    ctx = SimpleNamespace(send=sent.append, orders=orders)
+    ctx = SimpleNamespace(send=sent.append, orders=orders, rank=0, device=torch.device("cpu"),
+                          env=SimpleNamespace(job_id=job_id),
+                          groups=SimpleNamespace(proxies=lambda: []),
+                          registry=SimpleNamespace(objects=objects or {}))  # fmt: skip
     return Migration(ctx), sent, orders
+
+
+def _prepared(sent):
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (reply,) = sent
+    assert isinstance(reply, protocol.Prepared)
+    return reply
+
+
+def test_the_moving_rank_makes_room_for_its_tensors_and_says_so():
+    model = torch.nn.Linear(256, 256)
+    migration, sent, _ = _migration({"model": model}, job_id=f"t{os.getpid()}")
+    migration.at_boundary(3)
+    migration.on_prepare(protocol.Prepare(generation=2, rank=1))  # another rank's move
+    migration.on_prepare(protocol.Prepare(generation=2, rank=0))
+    reply = _prepared(sent)
+    assert reply.ok and reply.step == 3 and reply.generation == 2
+    assert reply.room_bytes >= 2 * 256 * 256 * 4  # the weight and its gradient to come
+    parking = migration._take_parking(2)
+    assert parking is not None and parking.path.exists()
+    parking.close()
+    assert not parking.path.exists()
+
+
+def test_a_rank_with_nothing_to_park_moves_without():
+    migration, sent, _ = _migration({})
+    migration.on_prepare(protocol.Prepare(generation=2, rank=0))
+    reply = _prepared(sent)
+    assert not reply.ok and "nothing to park" in reply.error
+    assert migration._take_parking(2) is None
 
 
 def test_a_pause_at_a_step_already_begun_is_refused():

@@ -15,3 +15,22 @@ def jobs_dir() -> Path:
 def job_folder(job_id: str) -> Path:
     """The job's own folder: its event log (``events.jsonl``)."""
     return jobs_dir() / job_id
+
+
+PARK_DIR = Path("/dev/shm")  # where a moving rank parks its tensors (``worker.parking``)
+PARK_PREFIX = "xmig-park-"
+
+
+def parking_files(job_id: str, folder: Path = PARK_DIR) -> list[Path]:
+    """The parking files of job ``job_id`` on this machine (a crashed worker's)."""
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob(f"{PARK_PREFIX}{job_id}-*"))
+
+
+def is_parking_file(path: str, folder: Path = PARK_DIR) -> bool:
+    """Whether ``path`` names a parking file: the only files an agent writes for a restore
+    outside its own folder."""
+    candidate = Path(path)
+    return (candidate.parent == folder and candidate.name.startswith(PARK_PREFIX)
+            and ".." not in candidate.name)  # fmt: skip

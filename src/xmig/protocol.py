@@ -228,9 +228,18 @@ class CommError(Message):
 @message("ready_for_dump", W, A, request=True)
 @wire
 class ReadyForDump(Message):
+    """The moving rank is ready to be checkpointed. ``gpu_bytes``: what its GPU holds now;
+    ``held_bytes``: what it held before it parked ``parked_bytes`` of its tensors in
+    ``host_files`` (``[path, size]`` each: files a restore elsewhere needs beside the images),
+    which took ``park_s``."""
+
     gpu: str | None
     gpu_bytes: int
     t: float
+    held_bytes: int = 0
+    parked_bytes: int = 0
+    park_s: float = 0.0
+    host_files: list[Any] = field(default_factory=list)
 
 
 @message("state_saved", W, A, request=True)
@@ -329,6 +338,22 @@ class CannotRecover(Message):
     t: float = 0.0
 
 
+@message("prepared", W, C, forward=True)
+@wire
+class Prepared(Message):
+    """After a ``Prepare``: the moving rank has room for ``room_bytes`` of its tensors outside
+    its process (``ok``), or will move without (``error`` says why); it had begun ``step``."""
+
+    generation: int
+    ok: bool
+    room_bytes: int = 0
+    prepare_s: float = 0.0
+    step: int | None = None
+    error: str | None = None
+    rank: int = -1
+    t: float = 0.0
+
+
 @message("paused", W, C, forward=True)
 @wire
 class Paused(Message):
@@ -356,6 +381,7 @@ class Rejoined(Message):
     netns: int
     rank: int = -1
     t: float = 0.0
+    unpark_s: float = 0.0  # its parked tensors copied back
 
 
 @message("resumed", W, C, forward=True)
@@ -541,6 +567,10 @@ class Dumped(Message):
     gpus_before: list[str] = field(default_factory=list)
     interface: dict[str, Any] | None = None
     serve: list[Any] | None = None  # where the target agent fetches the images
+    held_bytes: int = 0  # the worker's ReadyForDump's
+    parked_bytes: int = 0
+    park_s: float = 0.0
+    host_files: list[Any] = field(default_factory=list)
 
 
 @message("restored", A, C)
@@ -631,6 +661,7 @@ class Restore(Message):
     gpu: str | None
     gpus_before: list[str]
     interface: dict[str, Any] | None
+    host_files: list[Any] = field(default_factory=list)  # [path, size]: fetched if missing
 
 
 @message("stop_workers", C, A)
@@ -718,6 +749,16 @@ class EndRank(Message):
 @wire
 class Abort(Message):
     reason: str
+
+
+@message("prepare", C, A, relay=Relay.ALL)
+@wire
+class Prepare(Message):
+    """To the rank about to move (the others ignore it): make room outside the process for
+    its tensors while it still trains, then say ``Prepared``."""
+
+    generation: int
+    rank: int
 
 
 @message("pause", C, A, relay=Relay.ALL)

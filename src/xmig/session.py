@@ -71,7 +71,8 @@ class Session:
             replacement = Replacement(ctx, layout, verifier, checkpoint=Path(env.resume))
         self._replacement = replacement
         ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause,
-                            on_save=survivor.on_save, on_store=ctx.store_restarted)  # fmt: skip
+                            on_save=survivor.on_save, on_store=ctx.store_restarted,
+                            on_prepare=migration.on_prepare)  # fmt: skip
         self._loop = StepLoop(ctx, gate, layout, verifier, survivor, migration, replacement)
         if env.managed:
             ctx.connect()

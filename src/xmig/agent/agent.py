@@ -27,6 +27,7 @@ from xmig.jobenv import COORD_ADDR, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN, Worke
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.migrate import criu, cuda, netif, stream
 from xmig.migrate.mover import MigrationError, ProcessMover
+from xmig.paths import is_parking_file
 from xmig.procs import die_with_parent, group_members, kill_group
 from xmig.protocol import (
     CATALOGUE,
@@ -113,6 +114,7 @@ class Worker:
     announced: dict[str, Any] | None = None  # the injected fault it said it is carrying out
     gpu: str | None = None  # the UUID of the GPU it holds state on, when it is moving
     gpu_bytes: int = 0  # how much of that GPU's memory it holds
+    ready: ReadyForDump | None = None  # what it said when it was ready to be moved
     done: WorkerDone | None = None  # what it said when it finished (a new coordinator hears it)
     exited: WorkerExited | None = None  # and that it exited cleanly
 
@@ -360,6 +362,7 @@ class Agent:
         worker.state = "migrating"  # its link closes next; that is not a fault
         worker.gpu = cuda.canonical_uuid(msg.gpu) if msg.gpu is not None else None
         worker.gpu_bytes = msg.gpu_bytes
+        worker.ready = msg
         self._post(DumpNow(worker.rank))
 
     def _worker_done(self, worker: Worker, peer: Peer, msg: Done, wall: float) -> None:
@@ -483,21 +486,28 @@ class Agent:
             self._post(DumpFinished(dataclasses.replace(failed, error=str(exc))))
             return
         worker.gpu_bytes = done.gpu_bytes
+        ready = worker.ready
+        host_files = list(ready.host_files) if ready is not None else []
         result = dataclasses.replace(
             failed, ok=True, dump_s=done.dump_s, image_bytes=done.image_bytes, fds=fds,
             gpu=worker.gpu, gpu_bytes=done.gpu_bytes, gpu_checkpoint_s=done.gpu_checkpoint_s,
             gpu_times=done.gpu_times, gpus_before=list(done.gpus_before),
-            interface=done.interface,
-            serve=self._serve_images(order.images) if order.serve else None,
+            interface=done.interface, host_files=host_files,
+            held_bytes=ready.held_bytes if ready is not None else 0,
+            parked_bytes=ready.parked_bytes if ready is not None else 0,
+            park_s=ready.park_s if ready is not None else 0.0,
+            serve=self._serve_images(order.images, host_files) if order.serve else None,
         )  # fmt: skip
         self._post(DumpFinished(result))
 
-    def _serve_images(self, folder: str) -> list[Any]:
-        """Offer the images to the target node's agent (once); remove them when sent."""
+    def _serve_images(self, folder: str, host_files: list[Any]) -> list[Any]:
+        """Offer the images (and the files the process maps, for a target that lacks them)
+        to the target node's agent (once); remove the images when sent."""
         assert self.coord is not None
         host = self.coord.conn.sock.getsockname()[0]  # this node's address, as others see it
         limit = self.job.recovery_timeout
-        server = stream.ImageServer(folder, self.token, host, timeout=limit)
+        server = stream.ImageServer(folder, self.token, host, timeout=limit,
+                                    host_files=[str(path) for path, _ in host_files])  # fmt: skip
 
         def clean_up() -> None:
             server.sent.wait()
@@ -525,16 +535,12 @@ class Agent:
             try:
                 limit = self.job.recovery_timeout
                 _, transfer_s = stream.fetch_images(tuple(order.fetch), self.token,
-                                                    order.images, limit)  # fmt: skip
+                                                    order.images, limit,
+                                                    accept=is_parking_file)  # fmt: skip
             except stream.StreamError as exc:
                 self._send(dataclasses.replace(failed, error=str(exc)))
                 return
         assert self.server is not None
-        partial = rejoin.with_suffix(".partial")
-        where = {"agent_addr": format_address(self.server.address), "node": self.node_rank,
-                 "agent_pid": os.getpid()}  # fmt: skip
-        partial.write_text(json.dumps(where))
-        os.replace(partial, rejoin)
         worker = Worker(rank=rank, local_rank=order.local_rank, proc=AdoptedProcess(pid),
                         pidfd=-1, attempt=order.attempt)  # fmt: skip
         with self._lock:
@@ -554,6 +560,13 @@ class Agent:
         finally:
             for fd in inherit:
                 os.close(fd)
+        # only now, its GPU state back and its CUDA calls unlocked, may it go on: it waits
+        # for this file (its first CUDA call takes its parked tensors back)
+        partial = rejoin.with_suffix(".partial")
+        where = {"agent_addr": format_address(self.server.address), "node": self.node_rank,
+                 "agent_pid": os.getpid()}  # fmt: skip
+        partial.write_text(json.dumps(where))
+        os.replace(partial, rejoin)
         worker.pidfd = os.pidfd_open(pid)
         self._selector.register(worker.pidfd, selectors.EVENT_READ, worker)
         self._send(dataclasses.replace(

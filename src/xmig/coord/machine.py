@@ -56,6 +56,7 @@ from xmig.protocol import (
     Parked,
     Paused,
     PauseRefused,
+    Prepared,
     Progress,
     Recovered,
     RecoveryFailed,
@@ -132,7 +133,7 @@ LIVE = (S.STARTING, S.REJOINING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATIN
 # what a restarted coordinator handles while its agents rejoin; every other event waits
 REJOIN_EVENTS = (AgentHello, AgentLost, Tick, StatusRequest, StopJob)
 RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
-MIGRATION_EVENTS = (Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
+MIGRATION_EVENTS = (Prepared, Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
 CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
 
 

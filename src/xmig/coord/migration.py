@@ -22,6 +22,8 @@ from xmig.protocol import (
     Pause,
     Paused,
     PauseRefused,
+    Prepare,
+    Prepared,
     Rejoined,
     Restore,
     Restored,
@@ -30,7 +32,8 @@ from xmig.protocol import (
     WorkerDone,
 )
 
-PHASES = ("quiesce", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore", "rejoin")
+PHASES = ("prepare", "quiesce", "park", "gpu_checkpoint", "dump", "transfer", "restore",
+          "gpu_restore", "unpark", "rejoin")  # fmt: skip
 
 
 def shared_images() -> bool:
@@ -55,6 +58,7 @@ def images_dir(job_id: str, node: int, name: str) -> str:
 
 
 class MigrationPhase(enum.Enum):
+    PREPARING = "preparing"  # the moving rank makes room for its tensors, still training
     PAUSING = "pausing"  # every rank pauses at the start of ``step``
     DUMPING = "dumping"  # the source node checkpoints the rank
     RESTORING = "restoring"  # the target node restores it
@@ -67,6 +71,8 @@ class MigrationPhase(enum.Enum):
 
 # MigrationPhase -> the phases it may go to
 MIGRATION_TRANSITIONS: dict[MigrationPhase, set[MigrationPhase]] = {
+    MigrationPhase.PREPARING: {MigrationPhase.PAUSING, MigrationPhase.DROPPED,
+                               MigrationPhase.FAILED},
     MigrationPhase.PAUSING: {MigrationPhase.DUMPING, MigrationPhase.DROPPED,
                              MigrationPhase.FAILED},
     MigrationPhase.DUMPING: {MigrationPhase.RESTORING, MigrationPhase.FAILED},
@@ -98,7 +104,7 @@ class Migration:
     started: float
     deadline: float
     serve_images: bool = True  # the source agent serves them (no shared folder)
-    phase: MigrationPhase = MigrationPhase.PAUSING
+    phase: MigrationPhase = MigrationPhase.PREPARING
     paused: dict[int, int] = field(default_factory=dict)
     resumed: set[int] = field(default_factory=set)
     times: dict[str, float] = field(default_factory=dict)  # event -> wall clock
@@ -115,6 +121,12 @@ class Migration:
     gpu_restore_s: float = 0.0
     gpu_times: dict[str, float] = field(default_factory=dict)  # each driver call
     interface: str | None = None  # the rank's own network interface, moved with it
+    room_bytes: int = 0  # the room the moving rank made for its tensors outside its process
+    prepare_error: str | None = None  # why it made none
+    held_bytes: int = 0  # GPU memory it held when it paused, before parking
+    parked_bytes: int = 0  # what it parked outside the process
+    park_s: float = 0.0
+    unpark_s: float = 0.0
 
     @property
     def rejoin_file(self) -> str:
@@ -124,7 +136,7 @@ class Migration:
         return [Note("migration", {"generation": self.generation, "phase": self.phase.value,
                                    "rank": self.rank, "from": self.source, "to": self.target,
                                    "step": self.step, "after_s": 0.0}),
-                ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
+                ToAll(Prepare(generation=self.generation, rank=self.rank))]  # fmt: skip
 
     def _enter(self, phase: MigrationPhase, now: float, **fields: Any) -> list[Order]:
         if phase not in MIGRATION_TRANSITIONS[self.phase]:
@@ -146,7 +158,9 @@ class Migration:
             return self.fail(f"rank {self.rank} was not moved within "
                              f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
         if isinstance(event, WorkerDone):
-            if phase is MigrationPhase.PAUSING and not self.paused:
+            if phase is MigrationPhase.PREPARING or (
+                phase is MigrationPhase.PAUSING and not self.paused
+            ):
                 # the pause step lies past the last one: no rank will ever reach it
                 return [
                     *self._enter(MigrationPhase.DROPPED, now),
@@ -155,6 +169,16 @@ class Migration:
             return []
         if getattr(event, "generation", None) != self.generation:
             return []
+        if isinstance(event, Prepared) and phase is MigrationPhase.PREPARING:
+            if event.rank != self.rank:
+                return []
+            self.room_bytes = event.room_bytes if event.ok else 0
+            self.prepare_error = None if event.ok else event.error
+            if event.step is not None:  # it trained on meanwhile
+                self.step = max(self.step, event.step + 1)
+            return [*self._enter(MigrationPhase.PAUSING, now, step=self.step,
+                                 room_bytes=self.room_bytes, error=self.prepare_error),
+                    ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
         if isinstance(event, PauseRefused) and phase is MigrationPhase.PAUSING:
             self.step = max(self.step, event.step + 1)
             self.paused.clear()
@@ -178,6 +202,8 @@ class Migration:
             self.dump_s, self.image_bytes = event.dump_s, event.image_bytes
             self.gpu_checkpoint_s, self.gpu = event.gpu_checkpoint_s, event.gpu
             self.gpu_bytes = event.gpu_bytes
+            self.held_bytes, self.parked_bytes = event.held_bytes, event.parked_bytes
+            self.park_s = event.park_s
             self.gpu_times.update(event.gpu_times)
             if event.interface:
                 self.interface = str(event.interface["name"])
@@ -186,6 +212,7 @@ class Migration:
                 images=self.target_images, rejoin_file=self.rejoin_file, fetch=event.serve,
                 local_rank=self.local_rank, attempt=self.attempt, fds=event.fds, gpu=self.gpu,
                 gpus_before=event.gpus_before, interface=event.interface,
+                host_files=event.host_files,
             )  # fmt: skip
             return [*self._enter(MigrationPhase.RESTORING, now), ToNode(self.target, restore)]
         if isinstance(event, Restored) and phase is MigrationPhase.RESTORING:
@@ -199,7 +226,7 @@ class Migration:
         if isinstance(event, Rejoined) and phase is MigrationPhase.REJOINING:
             if event.rank != self.rank:
                 return []
-            self.netns = event.netns
+            self.netns, self.unpark_s = event.netns, event.unpark_s
             return [*self._enter(MigrationPhase.RESUMING, now),
                     ToAll(Resume(generation=self.generation))]  # fmt: skip
         if isinstance(event, Resumed) and phase is MigrationPhase.RESUMING:
@@ -215,18 +242,22 @@ class Migration:
     def record(self) -> dict[str, Any]:
         t = self.times
         end = t.get("done", self.started)
-        quiesced = t.get("dumping", self.started)  # every rank paused
+        pausing = t.get("pausing", self.started)  # the moving rank has made its room
+        quiesced = t.get("dumping", pausing)  # every rank paused
         dumped = t.get("restoring", quiesced)
         restored = t.get("rejoining", dumped)
         # the agents time the GPU and CRIU steps; the rest is the time between the reports
         phases = {
-            "quiesce": quiesced - self.started,
+            "prepare": pausing - self.started,  # the job still trains
+            "quiesce": quiesced - pausing,
+            "park": self.park_s,
             "gpu_checkpoint": self.gpu_checkpoint_s,
-            "dump": dumped - quiesced - self.gpu_checkpoint_s,
+            "dump": dumped - quiesced - self.park_s - self.gpu_checkpoint_s,
             "transfer": self.transfer_s,  # 0 with a shared directory
             "restore": restored - dumped - self.gpu_restore_s - self.transfer_s,
             "gpu_restore": self.gpu_restore_s,
-            "rejoin": end - restored,
+            "unpark": self.unpark_s,
+            "rejoin": end - restored - self.unpark_s,
         }
         return {
             "kind": "migration",
@@ -246,7 +277,11 @@ class Migration:
             "interface": self.interface,
             "gpu": self.gpu,
             "to_gpu": self.to_gpu,
-            "gpu_bytes": self.gpu_bytes,
+            "gpu_bytes": self.gpu_bytes,  # what the driver's checkpoint moved
+            "held_bytes": self.held_bytes,  # on the GPU at the pause (0: a CPU job)
+            "parked_bytes": self.parked_bytes,  # moved outside the process instead
+            "room_bytes": self.room_bytes,
+            "prepare_error": self.prepare_error,
             "gpu_calls_s": {k: round(v, 4) for k, v in self.gpu_times.items()},
             "downtime_s": round(end - quiesced, 4),
             "total_s": round(end - self.started, 4),

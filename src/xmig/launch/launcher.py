@@ -35,7 +35,7 @@ from xmig.jobenv import (
 )
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
-from xmig.paths import jobs_dir
+from xmig.paths import jobs_dir, parking_files
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
 from xmig.state.checkpoint import lost_coordinator_folder
 from xmig.wire import (
@@ -775,3 +775,5 @@ class Launcher:
             self.hosts.remove()
         for folder in job_images(self.spec.job_id):  # what migrations left behind
             shutil.rmtree(folder, ignore_errors=True)
+        for parked in parking_files(self.spec.job_id):
+            parked.unlink(missing_ok=True)

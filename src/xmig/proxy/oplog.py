@@ -144,6 +144,11 @@ class BufferPool:
         buffer.copy_(tensor.detach())
         return buffer
 
+    def clear(self) -> None:
+        """Drop every spare buffer (their memory goes back to the allocator)."""
+        with self._lock:
+            self._free.clear()
+
     def give_back(self, tensors: list[torch.Tensor] | None) -> None:
         if not tensors:
             return

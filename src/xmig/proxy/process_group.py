@@ -175,6 +175,21 @@ class ProxyProcessGroup(dist.ProcessGroup):
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors the log holds (the ops' own, and the copies of their inputs): with
+        DDP, its gradient buckets. A moving rank parks them with its registered state."""
+        with self._cv:
+            held = []
+            for record in self.log:
+                held += tensors_in(record.args)
+                held += record.inputs or []
+            return held
+
+    def drop_spare_buffers(self) -> None:
+        """Give the memory kept for the log's next copies back (a moving rank's: it need not
+        be moved)."""
+        self._buffers.clear()
+
     # ---- step boundary ----------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Op indices restart at 0; the log keeps this step and the one before it."""

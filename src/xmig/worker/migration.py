@@ -1,5 +1,7 @@
-"""A migration, as a worker lives it: pause at a step boundary, be checkpointed and moved
-(the rank that moves), and go on on a new generation's communicator."""
+"""A migration, as a worker lives it: the rank that moves makes room outside its process for
+its tensors while it still trains; every rank pauses at a step boundary; the rank that moves
+parks its tensors, is checkpointed and moved, and takes them back; every rank goes on on a new
+generation's communicator."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +20,7 @@ from xmig import protocol
 from xmig.procs import die_with_parent, outlive_parent
 from xmig.worker.context import WorkerContext
 from xmig.worker.errors import exit_now
+from xmig.worker.parking import Parked, Parking, ParkingError, expected_bytes
 from xmig.worker.phase import WorkerPhase
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,54 @@ class Migration:
         self._pause_at: protocol.Pause | None = None
         self._boundary: int | None = None  # the last step the loop started
         self._paused_at: int | None = None
+        self._parking: Parking | None = None  # made for the migration of ``_parking_for``
+        self._parking_for: int | None = None
+
+    def on_prepare(self, order: protocol.Prepare) -> None:
+        """From the order consumer: if this rank is the one to move, make room for its
+        tensors (on a thread: it takes seconds, and the job trains meanwhile)."""
+        if order.rank != self._ctx.rank:
+            return
+        threading.Thread(target=self._prepare, args=(order,), name="xmig-prepare",
+                         daemon=True).start()  # fmt: skip
+
+    def _prepare(self, order: protocol.Prepare) -> None:
+        ctx = self._ctx
+        started = time.monotonic()
+        self._drop_parking()
+        try:
+            size = expected_bytes(self._parkable())
+            made = Parking.prepare(ctx.env.job_id or "local", ctx.rank, order.generation, size,
+                                   torch.device(ctx.device))  # fmt: skip
+        except (ParkingError, OSError, RuntimeError) as exc:
+            logger.warning("rank %d moves without parking its tensors: %s", ctx.rank, exc)
+            with self._lock:
+                step = self._boundary
+            ctx.send(protocol.Prepared(generation=order.generation, ok=False, step=step,
+                                       error=str(exc), t=time.time()))  # fmt: skip
+            return
+        with self._lock:
+            self._parking, self._parking_for = made, order.generation
+            step = self._boundary
+        took = time.monotonic() - started
+        logger.info("rank %d: room for %.2f GB of tensors in %s, made in %.2f s", ctx.rank,
+                    size / 1e9, made.path, took)  # fmt: skip
+        ctx.send(protocol.Prepared(generation=order.generation, ok=True, room_bytes=size,
+                                   prepare_s=took, step=step, t=time.time()))  # fmt: skip
+
+    def _take_parking(self, generation: int) -> Parking | None:
+        with self._lock:
+            made, self._parking = self._parking, None
+            ready = made is not None and self._parking_for == generation
+        if made is not None and not ready:
+            made.close()
+        return made if ready else None
+
+    def _drop_parking(self) -> None:
+        with self._lock:
+            made, self._parking = self._parking, None
+        if made is not None:
+            made.close()
 
     def on_pause(self, order: protocol.Pause) -> None:
         """From the order consumer: pause at the start of ``order.step``, or say this rank has
@@ -94,6 +146,7 @@ class Migration:
                         group.proxy.communicator.size))  # fmt: skip
                 ctx.send(protocol.Resumed(generation=generation, t=time.time()))
                 break
+        self._drop_parking()  # made for a move that did not happen
         ctx.phase.move(WorkerPhase.TRAINING)
 
     def _be_moved(self, order: protocol.Dump) -> None:
@@ -105,16 +158,29 @@ class Migration:
         # before the agent hears of it: its dump may come at once. The restorer becomes the
         # parent for a moment, then exits
         outlive_parent()
-        gpu, gpu_bytes = None, 0
+        gpu, gpu_bytes, held = None, 0, 0
         if ctx.backend == "nccl":
             torch.cuda.synchronize(ctx.device)
             # cached free blocks would be checkpointed, copied and restored for nothing
             torch.cuda.empty_cache()
             gpu = str(torch.cuda.get_device_properties(ctx.device).uuid)
             free, total = torch.cuda.mem_get_info(ctx.device)
-            gpu_bytes = total - free  # this GPU's use: this process's, one process per GPU
-        ctx.link.ask(protocol.ReadyForDump(gpu=gpu, gpu_bytes=gpu_bytes, t=time.time()),
-                     timeout=10.0)  # fmt: skip
+            held = total - free  # this GPU's use: this process's, one process per GPU
+        parking = self._take_parking(order.generation)
+        parked = self._park(parking) if parking is not None else None
+        if parked is None and parking is not None:
+            parking.close()
+            parking = None
+        if ctx.backend == "nccl":
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            gpu_bytes = total - free
+        files = [[str(parking.path), parking.size]] if parking is not None else []
+        ready = protocol.ReadyForDump(
+            gpu=gpu, gpu_bytes=gpu_bytes, held_bytes=held, t=time.time(), host_files=files,
+            parked_bytes=parked.parked_bytes if parked else 0,
+            park_s=parked.copy_s + parked.unregister_s if parked else 0.0,
+        )  # fmt: skip
+        ctx.link.ask(ready, timeout=10.0)
         ctx.link.close()
         deadline = time.monotonic() + ctx.env.recovery_timeout
         while not os.path.exists(order.rejoin_file):  # the process is frozen and moved meanwhile
@@ -133,11 +199,40 @@ class Migration:
                 exit_now(1)
             time.sleep(0.002)
         die_with_parent()
+        unpark_s = 0.0
+        if parking is not None:  # its CUDA calls wait until the agent has restored the GPU
+            unpark_s = parking.unpark()
+            # unregistering takes a while and nothing waits for it
+            threading.Thread(target=parking.close, name="xmig-unpark", daemon=True).start()
         env = dataclasses.replace(ctx.env, agent_addr=where["agent_addr"],
                                   node_rank=int(where["node"]))  # fmt: skip
         ctx.connect(env)
         # the store's connection came back closed: a new one, from this node's address
         ctx.comms.reconnect(env)
         netns = os.stat("/proc/self/ns/net").st_ino
-        ctx.send(protocol.Rejoined(generation=order.generation, netns=netns, t=time.time()))
+        ctx.send(protocol.Rejoined(generation=order.generation, netns=netns, t=time.time(),
+                                   unpark_s=unpark_s))  # fmt: skip
         ctx.phase.move(WorkerPhase.PAUSED)
+
+    def _park(self, parking: Parking) -> Parked | None:
+        """The registered tensors into the parking file (None: they stay, and the move
+        carries them the usual way)."""
+        for proxy in self._ctx.groups.proxies():
+            proxy.drop_spare_buffers()
+        try:
+            parked = parking.park(self._parkable())
+        except (ParkingError, RuntimeError) as exc:
+            logger.warning("rank %d: parking its tensors failed, they move with the process: "
+                           "%s", self._ctx.rank, exc)  # fmt: skip
+            return None
+        logger.info("rank %d: parked %.2f GB (%d storages) in %.3f s, unregistered in %.3f s",
+                    self._ctx.rank, parked.parked_bytes / 1e9, parked.storages, parked.copy_s,
+                    parked.unregister_s)  # fmt: skip
+        return parked
+
+    def _parkable(self) -> list[Any]:
+        """What a move parks: the registered objects, and the tensors the communication log
+        holds (DDP's gradient buckets)."""
+        ctx = self._ctx
+        held = [t for proxy in ctx.groups.proxies() for t in proxy.held_tensors()]
+        return [*ctx.registry.objects.values(), *held]

@@ -75,8 +75,8 @@ class Orders:
     """Takes every order from the link and dispatches it by its type, one at a time."""
 
     def __init__(self, rank: int, on_park: Handler, on_pause: Handler,
-                 on_save: Handler | None = None,
-                 on_store: Handler | None = None) -> None:  # fmt: skip
+                 on_save: Handler | None = None, on_store: Handler | None = None,
+                 on_prepare: Handler | None = None) -> None:  # fmt: skip
         self.rank = rank
         self.plans = Inbox("recovery")  # a survivor's Rebuild (or Abort), after its Park
         self.boundary = Inbox("boundary")  # a step loop paused at a boundary: Dump, Resume
@@ -98,6 +98,8 @@ class Orders:
             protocol.StateAnnounced: self._announced,
             protocol.SaveState: self._save,
         }
+        if on_prepare is not None:
+            self.table = {**self.table, protocol.Prepare: on_prepare}
         if on_store is not None:  # connecting to the store takes a millisecond: done here
             self.table = {**self.table, protocol.StoreRestarted: on_store}
 
