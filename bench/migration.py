@@ -38,6 +38,7 @@ GPU_SIZES = {
     "gpt350m, batch 16": ["--preset", "gpt350m", "--batch-size", "16"],
 }
 STEPS = 5
+GPU_STEPS = 20  # room for the moving rank to prepare (seconds at 18 GB) before the job ends
 MOVE_AT = 3
 RUN_TIMEOUT_S = 300
 
@@ -93,13 +94,14 @@ def main() -> int:
     layout = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--spare-nodes", "1",
               "--simulate-hosts", "--hot-spares", "0"]  # fmt: skip
     rows = []
+    steps = GPU_STEPS if args.gpu else STEPS
     for name, model in chosen.items():
         slug = name.replace(", ", "-").replace(" ", "")
         try:
-            reference = xmig_summary(work, f"{slug}-reference", STEPS, layout, [], model=model,
+            reference = xmig_summary(work, f"{slug}-reference", steps, layout, [], model=model,
                                      nproc=1, timeout=args.timeout)  # fmt: skip
             flags = [*layout, "--inject", f"migrate:rank={args.rank}:step={MOVE_AT}"]
-            moved = xmig_summary(work, f"{slug}-moved", STEPS, flags, [], model=model, nproc=1,
+            moved = xmig_summary(work, f"{slug}-moved", steps, flags, [], model=model, nproc=1,
                                  timeout=args.timeout)  # fmt: skip
         except RuntimeError as exc:  # an overrun: said in the table
             rows.append((name, {"message": str(exc)}, None, False))

@@ -174,6 +174,12 @@ class Migration:
         if ctx.backend == "nccl":
             free, total = torch.cuda.mem_get_info(ctx.device)
             gpu_bytes = total - free
+            # what is left for the driver's checkpoint: tensors nothing registered holds,
+            # blocks kept by them, and the CUDA context itself
+            logger.info("rank %d: the GPU holds %.2f GB for the driver's checkpoint: %.2f GB "
+                        "in live tensors, %.2f GB reserved by PyTorch", ctx.rank, gpu_bytes / 1e9,
+                        torch.cuda.memory_allocated(ctx.device) / 1e9,
+                        torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
         files = [[str(parking.path), parking.size]] if parking is not None else []
         ready = protocol.ReadyForDump(
             gpu=gpu, gpu_bytes=gpu_bytes, held_bytes=held, t=time.time(), host_files=files,
