@@ -683,6 +683,23 @@ def test_the_whole_migration_ends_running_with_its_record():
     assert phases["rejoin"] == pytest.approx(1.2 - 0.9 - 0.05)
 
 
+@pytest.mark.parametrize("machines", [("m1", "m1"), ("m1", "m2"), ("", "")])
+def test_a_target_on_the_source_machine_reads_the_images_where_they_were_written(machines):
+    job = running_job(spare_nodes=1)
+    for node, machine in zip((1, 2), machines, strict=True):  # the source and the target
+        job.agent_machines[node] = machine
+    job.on(MigrateRequest(rank=1, to=2), T0)
+    job.on(Prepared(generation=1, ok=True, room_bytes=3, step=3, rank=1), T0)
+    job.on(Paused(generation=1, step=4, rank=0), T0)
+    ((_, dump),) = sent(job.on(Paused(generation=1, step=4, rank=1), T0), Dump)
+    serve = [["10.0.0.1", 5000]] if dump.serve else None
+    orders = job.on(Dumped(rank=1, node=1, generation=1, ok=True, serve=serve), T0)
+    ((_, restore),) = sent(orders, Restore)
+    local = machines[0] == machines[1] != ""
+    assert (restore.images == dump.images) is local and dump.serve is not local
+    assert (restore.fetch is None) is local
+
+
 def test_a_failed_dump_stops_the_job():
     job, _ = migrating_job()
     for rank in (0, 1):

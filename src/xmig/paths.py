@@ -34,3 +34,14 @@ def is_parking_file(path: str, folder: Path = PARK_DIR) -> bool:
     candidate = Path(path)
     return (candidate.parent == folder and candidate.name.startswith(PARK_PREFIX)
             and ".." not in candidate.name)  # fmt: skip
+
+
+def machine_id() -> str:
+    """This machine and filesystem view: its boot id and its mount namespace. Two processes
+    with the same id see the same files (agents of simulated hosts on one machine do)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        mounts = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return ""
+    return f"{boot}:{mounts}"

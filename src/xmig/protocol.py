@@ -451,6 +451,7 @@ class AgentHello(Message):
     # ``{"rank", "pid", "attempt", "step", "state"}`` (None: its first hello)
     workers: list[dict[str, Any]] | None = None
     lost_at: float | None = None  # when it saw the coordinator go (wall clock)
+    machine: str = ""  # ``xmig.paths.machine_id``: agents that share it share their files
 
 
 @message("agent_alive", A, C)

@@ -27,7 +27,7 @@ from xmig.jobenv import COORD_ADDR, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN, Worke
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.migrate import criu, cuda, netif, stream
 from xmig.migrate.mover import MigrationError, ProcessMover
-from xmig.paths import is_parking_file
+from xmig.paths import is_parking_file, machine_id
 from xmig.procs import die_with_parent, group_members, kill_group
 from xmig.protocol import (
     CATALOGUE,
@@ -393,7 +393,8 @@ class Agent:
             raise JoinRefused(f"cannot reach the coordinator at {where}: {exc}") from None
         netns = os.stat("/proc/self/ns/net").st_ino
         launch = self.launch.to_json() if self.launch is not None else None
-        hello = AgentHello(node=self.node_rank, pid=os.getpid(), netns=netns, launch=launch)
+        hello = AgentHello(node=self.node_rank, pid=os.getpid(), netns=netns, launch=launch,
+                           machine=machine_id())  # fmt: skip
         try:
             reply = self.coord.call(hello.OP, **fields_of(hello))
         except RemoteError as exc:
@@ -722,7 +723,8 @@ class Agent:
         launch = self.launch.to_json() if self.launch is not None else None
         hello = AgentHello(node=self.node_rank, pid=os.getpid(),
                            netns=os.stat("/proc/self/ns/net").st_ino, launch=launch,
-                           workers=held, lost_at=self._lost_at)  # fmt: skip
+                           workers=held, lost_at=self._lost_at,
+                           machine=machine_id())  # fmt: skip
         try:
             reply = self.coord.call(hello.OP, timeout=30.0, **fields_of(hello))
         except (RemoteError, WireError) as exc:

@@ -17,7 +17,13 @@ from typing import Any
 from xmig.bitwise import replay_divergence
 from xmig.coord import decide, summary
 from xmig.coord.checkpoint import Checkpoint, Sealed
-from xmig.coord.migration import Migration, MigrationPhase, images_dir, shared_images
+from xmig.coord.migration import (
+    Migration,
+    MigrationPhase,
+    images_dir,
+    shared_images,
+    stream_forced,
+)
 from xmig.coord.orders import (
     AgentLost,
     Finish,
@@ -179,6 +185,7 @@ class Job:
     agents: set[int] = field(default_factory=set)  # live nodes
     agent_pids: dict[int, int] = field(default_factory=dict)
     agent_netns: dict[int, int] = field(default_factory=dict)
+    agent_machines: dict[int, str] = field(default_factory=dict)  # xmig.paths.machine_id
     members: dict[int, Member] = field(default_factory=dict)
     worker_pids: dict[int, list[int]] = field(default_factory=dict)
     joined: set[int] = field(default_factory=set)
@@ -286,6 +293,7 @@ class Job:
         self._check_host(msg)
         self.agents.add(msg.node)
         self.agent_pids[msg.node] = msg.pid
+        self.agent_machines[msg.node] = msg.machine
         if msg.netns is not None:
             self.agent_netns[msg.node] = msg.netns
         orders: list[Order] = [Note("agent", {"node": msg.node, "pid": msg.pid})]
@@ -304,6 +312,7 @@ class Job:
         self._check_host(msg)
         self.agents.add(msg.node)
         self.agent_pids[msg.node] = msg.pid
+        self.agent_machines[msg.node] = msg.machine
         if msg.netns is not None:
             self.agent_netns[msg.node] = msg.netns
         if msg.lost_at is not None:
@@ -880,13 +889,16 @@ class Job:
         member = self.members[rank]
         step = max(self.progress.values()) + 1  # a boundary no rank has passed yet
         name = f"rank{rank}-g{self.generation}"
+        source_images = images_dir(self.spec.job_id, member.node, name)
+        # on one machine the target reads the images where the source wrote them
+        machine = self.agent_machines.get(member.node, "")
+        local = bool(machine) and machine == self.agent_machines.get(target) and not stream_forced()
         self.migration = Migration(
-            self.generation, rank, member.pid, member.node, target, step,
-            images_dir(self.spec.job_id, member.node, name),
-            images_dir(self.spec.job_id, target, name), why,
+            self.generation, rank, member.pid, member.node, target, step, source_images,
+            source_images if local else images_dir(self.spec.job_id, target, name), why,
             world_size=self.spec.world_size, local_rank=rank % self.spec.nproc_per_node,
             attempt=member.attempt, started=now, deadline=now + self.spec.recovery_timeout,
-            serve_images=not shared_images(),
+            serve_images=not (shared_images() or local),
         )  # fmt: skip
         text = (f"moving rank {rank} from node {member.node} to node {target} at the start of "
                 f"step {step} (generation {self.generation})")  # fmt: skip

@@ -42,6 +42,12 @@ def shared_images() -> bool:
     return "XMIG_MIGRATE_DIR" in os.environ
 
 
+def stream_forced() -> bool:
+    """Whether images go over the network even between agents of one machine
+    (``XMIG_STREAM_IMAGES=1``: to exercise or measure the path between machines)."""
+    return os.environ.get("XMIG_STREAM_IMAGES") == "1"
+
+
 def job_images(job_id: str) -> list[Path]:
     """The folders a job's migrations may have left on this machine."""
     roots = [Path(tempfile.gettempdir())]
