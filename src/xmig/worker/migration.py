@@ -161,6 +161,8 @@ class Migration:
         gpu, gpu_bytes, held = None, 0, 0
         if ctx.backend == "nccl":
             torch.cuda.synchronize(ctx.device)
+            for proxy in ctx.groups.proxies():  # memory kept for the log's next copies
+                proxy.drop_spare_buffers()
             # cached free blocks would be checkpointed, copied and restored for nothing
             torch.cuda.empty_cache()
             gpu = str(torch.cuda.get_device_properties(ctx.device).uuid)

@@ -12,9 +12,10 @@ On a GPU the file is registered with CUDA (pinned, so the copies run at the link
 Making the file and registering it cost seconds (the first touch of the memory and the pinning
 of its pages): ``Parking.prepare`` does it ahead, while the job still trains. The registration
 is dropped before the checkpoint (the driver's restore grows with registered host memory) and
-made again after the restore in chunks, each chunk's copies running while the next one is
-registered. The file's name says its job, so whatever a crash leaves is removed with the
-job's other leftovers (``xmig.paths.parking_files``).
+made again after the restore storage by storage, each one's copy running while the next one is
+registered (a copy may not span two registrations: measured, CUDA refuses it). The file's name
+says its job, so whatever a crash leaves is removed with the job's other leftovers
+(``xmig.paths.parking_files``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 MIN_STORAGE_BYTES = 1 << 16  # smaller storages stay: parking them saves nothing worth a call
 ALIGN = 4096  # each storage's place in the file starts on a page
-REGISTER_CHUNK = 1 << 30  # bytes pinned per cudaHostRegister call
 ROOM_MARGIN = 1 << 28  # free room the file leaves in its filesystem
 
 
@@ -142,7 +142,7 @@ class Parking:
             host.zero_()  # the first touch of every page, now rather than during the move
             parking._host = host
             if device.type == "cuda":
-                parking._register_all()
+                parking._register(0, size)  # one registration: a copy may start anywhere
         except BaseException:
             parking.close()
             raise
@@ -163,10 +163,6 @@ class Parking:
             raise ParkingError(f"cudaHostRegister of {length} bytes failed: error {int(err)}")
         self._registered.append(address)
 
-    def _register_all(self) -> None:
-        for start in range(0, self.size, REGISTER_CHUNK):
-            self._register(start, min(REGISTER_CHUNK, self.size - start))
-
     def _unregister_all(self) -> None:
         if not self._registered:
             return
@@ -182,16 +178,21 @@ class Parking:
         The caller has synchronized the device: nothing writes these tensors now."""
         assert self._host is not None and not self._parked
         started = time.monotonic()
-        offset = 0
+        offset, chosen = 0, []
         for storage in storages(objects):
             size = storage.nbytes()
             if offset + size > self.size:
                 continue  # larger than was foreseen: it stays where it is
-            self._host[offset : offset + size].copy_(_byte_view(storage), non_blocking=True)
-            self._parked.append((storage, offset, size))
+            chosen.append((storage, offset, size))
             offset += _aligned(size)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            for storage, start, size in chosen:
+                self._host[start : start + size].copy_(_byte_view(storage), non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:  # nothing freed yet: every tensor is still where it was
+            raise ParkingError(f"copying into the parking file failed: {exc}") from exc
+        self._parked = chosen
         for storage, _, _ in self._parked:
             storage.resize_(0)
         if self.device.type == "cuda":
@@ -202,17 +203,14 @@ class Parking:
                       copy_s=copied - started, unregister_s=time.monotonic() - copied)  # fmt: skip
 
     def unpark(self) -> float:
-        """Allocate every parked storage again and copy it back (on a GPU: the file
-        registered again chunk by chunk, each chunk's copies queued before the next chunk
-        is registered). Returns the seconds it took."""
+        """Allocate every parked storage again and copy it back (on a GPU: each storage's
+        part of the file registered again, its copy queued before the next one is
+        registered). Returns the seconds it took."""
         assert self._host is not None
         started = time.monotonic()
-        registered_to = self.size if self.device.type != "cuda" else 0
-        for storage, offset, size in sorted(self._parked, key=lambda p: p[1]):
-            while registered_to < offset + size:
-                length = min(REGISTER_CHUNK, self.size - registered_to)
-                self._register(registered_to, length)
-                registered_to += length
+        for storage, offset, size in self._parked:
+            if self.device.type == "cuda":
+                self._register(offset, _aligned(size))
             storage.resize_(size)
             _byte_view(storage).copy_(self._host[offset : offset + size], non_blocking=True)
         if self.device.type == "cuda":
