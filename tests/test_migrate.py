@@ -75,7 +75,7 @@ def test_injected_migration_is_bit_identical(tmp_path, tmp_path_factory, measure
     assert result.returncode == 0, result.output
     record = check_migrated(result.summary, 1, source, target, world)
     assert record["phases"]["transfer"] > 0
-    assert record["step"] == 3
+    assert record["step"] >= 3  # it starts at step 3; the moving rank prepares, then all pause
     # the rank's own interface (its address, which NCCL keeps) went with it
     assert record["interface"] == "xr1"
     assert result.summary["final_params_sha256"] == reference_hash(world, tmp_path_factory)
