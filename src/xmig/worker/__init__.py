@@ -15,6 +15,7 @@
 - ``pull``: state served and received over a pair communicator, checked against its digest
 - ``layout``: DDP's bucket layout as this rank knows it
 - ``verify``: the replicas' checksum after a recovery
-- ``migration``: pause at a boundary, be moved, rejoin
+- ``migration``: prepare, pause at a boundary, be moved, rejoin
+- ``parking``: a moving rank's tensors in a shared memory file while its process moves
 - ``errors``: the worker's exceptions and its immediate exit
 """
