@@ -26,6 +26,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 MIN_STORAGE_BYTES = 1 << 16  # smaller storages stay: parking them saves nothing worth a call
 ALIGN = 4096  # each storage's place in the file starts on a page
 ROOM_MARGIN = 1 << 28  # free room the file leaves in its filesystem
+REGISTER_THREADS = 4
 
 
 class ParkingError(RuntimeError):
@@ -142,7 +144,8 @@ class Parking:
             host.zero_()  # the first touch of every page, now rather than during the move
             parking._host = host
             if device.type == "cuda":
-                parking._register(0, size)  # one registration: a copy may start anywhere
+                # one registration: a copy may start anywhere
+                parking._registered.append(parking._register(0, size))
         except BaseException:
             parking.close()
             raise
@@ -155,13 +158,15 @@ class Parking:
     def _cudart(self) -> Any:
         return torch.cuda.cudart()
 
-    def _register(self, start: int, length: int) -> None:
+    def _register(self, start: int, length: int) -> int:
+        """Pin ``length`` bytes of the file from ``start``; returns their address (the
+        caller records it: this runs on several threads)."""
         assert self._host is not None
         address = self._host.data_ptr() + start
         err = self._cudart().cudaHostRegister(address, length, 0)
         if int(err) != 0:
             raise ParkingError(f"cudaHostRegister of {length} bytes failed: error {int(err)}")
-        self._registered.append(address)
+        return address
 
     def _unregister_all(self) -> None:
         if not self._registered:
@@ -208,11 +213,23 @@ class Parking:
         registered). Returns the seconds it took."""
         assert self._host is not None
         started = time.monotonic()
-        for storage, offset, size in self._parked:
-            if self.device.type == "cuda":
-                self._register(offset, _aligned(size))
-            storage.resize_(size)
-            _byte_view(storage).copy_(self._host[offset : offset + size], non_blocking=True)
+        if self.device.type != "cuda":
+            for storage, offset, size in self._parked:
+                storage.resize_(size)
+                _byte_view(storage).copy_(self._host[offset : offset + size])
+            self._parked.clear()
+            return time.monotonic() - started
+        # pinning pages is the slow part: several threads pin while this one queues copies
+        with ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="xmig-pin") as pool:
+            pinned = [pool.submit(self._register, offset, _aligned(size))
+                      for _, offset, size in self._parked]  # fmt: skip
+            for (storage, offset, size), registered in zip(self._parked, pinned, strict=True):
+                try:
+                    self._registered.append(registered.result())
+                except ParkingError as exc:  # copied from pageable memory: slower, as exact
+                    logger.warning("parking file: %s", exc)
+                storage.resize_(size)
+                _byte_view(storage).copy_(self._host[offset : offset + size], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._parked.clear()
