@@ -41,6 +41,7 @@ MIN_STORAGE_BYTES = 1 << 16  # smaller storages stay: parking them saves nothing
 ALIGN = 4096  # each storage's place in the file starts on a page
 ROOM_MARGIN = 1 << 28  # free room the file leaves in its filesystem
 REGISTER_THREADS = 4
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class ParkingError(RuntimeError):
@@ -144,6 +145,7 @@ class Parking:
             host.zero_()  # the first touch of every page, now rather than during the move
             parking._host = host
             if device.type == "cuda":
+                torch.cuda.set_device(device)  # this thread's, not another GPU's context
                 # one registration: a copy may start anywhere
                 parking._registered.append(parking._register(0, size))
         except BaseException:
@@ -163,7 +165,8 @@ class Parking:
         caller records it: this runs on several threads)."""
         assert self._host is not None
         address = self._host.data_ptr() + start
-        err = self._cudart().cudaHostRegister(address, length, 0)
+        # portable: pinned for every context, whichever device the calling thread is on
+        err = self._cudart().cudaHostRegister(address, length, HOST_REGISTER_PORTABLE)
         if int(err) != 0:
             raise ParkingError(f"cudaHostRegister of {length} bytes failed: error {int(err)}")
         return address
@@ -220,7 +223,9 @@ class Parking:
             self._parked.clear()
             return time.monotonic() - started
         # pinning pages is the slow part: several threads pin while this one queues copies
-        with ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="xmig-pin") as pool:
+        with ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="xmig-pin",
+                                initializer=torch.cuda.set_device,
+                                initargs=(self.device,)) as pool:  # fmt: skip
             pinned = [pool.submit(self._register, offset, _aligned(size))
                       for _, offset, size in self._parked]  # fmt: skip
             for (storage, offset, size), registered in zip(self._parked, pinned, strict=True):
@@ -242,6 +247,8 @@ class Parking:
             logger.warning("closing the parking file %s with %d storages still in it",
                            self.path, len(self._parked))  # fmt: skip
         with contextlib.suppress(Exception):
+            if self._registered:
+                torch.cuda.set_device(self.device)  # a thread of its own may call this
             self._unregister_all()
         self._host = None  # the mapping goes with its last tensor
         self.path.unlink(missing_ok=True)
