@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from xmig.paths import is_parking_file, parking_files
-from xmig.worker.parking import MIN_STORAGE_BYTES, Parking, ParkingError, expected_bytes, storages
+from xmig.worker.parking import (
+    MIN_STORAGE_BYTES,
+    Parking,
+    ParkingError,
+    expected_bytes,
+    register_groups,
+    storages,
+)
 
 
 @pytest.fixture
@@ -104,3 +111,14 @@ def test_only_parking_files_are_accepted_from_another_machine():
     assert not is_parking_file("/dev/shm/other")
     assert not is_parking_file("/etc/xmig-park-job")
     assert not is_parking_file("/dev/shm/xmig-park-../../etc/passwd")
+
+
+def test_the_copies_back_are_registered_in_groups_no_storage_spans():
+    # (offset, bytes) in the file's order, pages of 4096; groups of at most 3 pages here
+    places = [(0, 4096), (4096, 100), (8192, 4096), (12288, 5 * 4096), (32768, 10)]
+    assert register_groups(places, chunk=3 * 4096) == [
+        (0, 3 * 4096, [0, 1, 2]),
+        (12288, 5 * 4096, [3]),  # larger than a group: one of its own
+        (32768, 4096, [4]),
+    ]
+    assert register_groups([]) == []

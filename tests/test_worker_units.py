@@ -360,9 +360,12 @@ def _prepared(sent):
 def test_the_moving_rank_makes_room_for_its_tensors_and_says_so():
     model = torch.nn.Linear(256, 256)
     migration, sent, _ = _migration({"model": model}, job_id=f"t{os.getpid()}")
-    migration.at_boundary(3)
+    migration.at_boundary(2)
     migration.on_prepare(protocol.Prepare(generation=2, rank=1))  # another rank's move
     migration.on_prepare(protocol.Prepare(generation=2, rank=0))
+    time.sleep(0.1)
+    assert not sent  # its tensors are measured at its next boundary, on the loop's thread
+    migration.at_boundary(3)
     reply = _prepared(sent)
     assert reply.ok and reply.step == 3 and reply.generation == 2
     assert reply.room_bytes >= 2 * 256 * 256 * 4  # the weight and its gradient to come
@@ -375,6 +378,7 @@ def test_the_moving_rank_makes_room_for_its_tensors_and_says_so():
 def test_a_rank_with_nothing_to_park_moves_without():
     migration, sent, _ = _migration({})
     migration.on_prepare(protocol.Prepare(generation=2, rank=0))
+    migration.at_boundary(1)
     reply = _prepared(sent)
     assert not reply.ok and "nothing to park" in reply.error
     assert migration._take_parking(2) is None

@@ -40,35 +40,38 @@ class Migration:
         self._pause_at: protocol.Pause | None = None
         self._boundary: int | None = None  # the last step the loop started
         self._paused_at: int | None = None
+        self._prepare_order: protocol.Prepare | None = None  # for the next boundary
         self._parking: Parking | None = None  # made for the migration of ``_parking_for``
         self._parking_for: int | None = None
 
     def on_prepare(self, order: protocol.Prepare) -> None:
         """From the order consumer: if this rank is the one to move, make room for its
-        tensors (on a thread: it takes seconds, and the job trains meanwhile)."""
-        if order.rank != self._ctx.rank:
-            return
-        threading.Thread(target=self._prepare, args=(order,), name="xmig-prepare",
+        tensors, from its next step boundary on (there its tensors are still: the room they
+        need is measured there, on the step loop's thread; the room is made on a thread of
+        its own, as it takes seconds and the job trains meanwhile)."""
+        if order.rank == self._ctx.rank:
+            with self._lock:
+                self._prepare_order = order
+
+    def _start_preparing(self, order: protocol.Prepare, step: int) -> None:
+        size = expected_bytes(self._parkable())
+        threading.Thread(target=self._prepare, args=(order, size, step), name="xmig-prepare",
                          daemon=True).start()  # fmt: skip
 
-    def _prepare(self, order: protocol.Prepare) -> None:
+    def _prepare(self, order: protocol.Prepare, size: int, step: int) -> None:
         ctx = self._ctx
         started = time.monotonic()
         self._drop_parking()
         try:
-            size = expected_bytes(self._parkable())
             made = Parking.prepare(ctx.env.job_id or "local", ctx.rank, order.generation, size,
                                    torch.device(ctx.device))  # fmt: skip
         except (ParkingError, OSError, RuntimeError) as exc:
             logger.warning("rank %d moves without parking its tensors: %s", ctx.rank, exc)
-            with self._lock:
-                step = self._boundary
             ctx.send(protocol.Prepared(generation=order.generation, ok=False, step=step,
                                        error=str(exc), t=time.time()))  # fmt: skip
             return
         with self._lock:
             self._parking, self._parking_for = made, order.generation
-            step = self._boundary
         took = time.monotonic() - started
         logger.info("rank %d: room for %.2f GB of tensors in %s, made in %.2f s", ctx.rank,
                     size / 1e9, made.path, took)  # fmt: skip
@@ -104,9 +107,14 @@ class Migration:
                 self._ctx.orders.boundary.hand(Continue(order.generation))
 
     def at_boundary(self, step: int) -> None:
-        """The step loop is at the start of ``step``: pause here if told to."""
+        """The step loop is at the start of ``step``: make room for a move, or pause here,
+        if told to."""
         with self._lock:
             self._boundary = step
+            prepare, self._prepare_order = self._prepare_order, None
+        if prepare is not None:
+            self._start_preparing(prepare, step)
+        with self._lock:
             order = self._pause_at
             if order is None or order.step != step:
                 return

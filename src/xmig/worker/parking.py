@@ -12,10 +12,10 @@ On a GPU the file is registered with CUDA (pinned, so the copies run at the link
 Making the file and registering it cost seconds (the first touch of the memory and the pinning
 of its pages): ``Parking.prepare`` does it ahead, while the job still trains. The registration
 is dropped before the checkpoint (the driver's restore grows with registered host memory) and
-made again after the restore storage by storage, each one's copy running while the next one is
-registered (a copy may not span two registrations: measured, CUDA refuses it). The file's name
-says its job, so whatever a crash leaves is removed with the job's other leftovers
-(``xmig.paths.parking_files``).
+made again after the restore a group of storages at a time, each group's copies running while
+later groups are registered (a copy may not span two registrations: measured, CUDA refuses it).
+The file's name says its job, so whatever a crash leaves is removed with the job's other
+leftovers (``xmig.paths.parking_files``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from xmig.paths import PARK_DIR, PARK_PREFIX
 
 logger = logging.getLogger(__name__)
 
-MIN_STORAGE_BYTES = 1 << 16  # smaller storages stay: parking them saves nothing worth a call
+MIN_STORAGE_BYTES = 1 << 12  # smaller storages stay: parking them saves nothing worth a call
 ALIGN = 4096  # each storage's place in the file starts on a page
 ROOM_MARGIN = 1 << 28  # free room the file leaves in its filesystem
 REGISTER_THREADS = 4
+REGISTER_CHUNK = 1 << 30  # bytes a registration of the copies back covers, about
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
@@ -95,6 +96,24 @@ def expected_bytes(objects: Iterable[Any]) -> int:
 
 def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
+
+
+def register_groups(
+    places: list[tuple[int, int]], chunk: int = REGISTER_CHUNK
+) -> list[tuple[int, int, list[int]]]:
+    """Consecutive parked storages (``(offset, bytes)`` each, in the file's order) grouped
+    into registrations of about ``chunk`` bytes: ``(start, length, indices)`` each. A copy may
+    not span two registrations, so a group ends only between storages (one larger than
+    ``chunk`` is a group of its own)."""
+    groups: list[tuple[int, int, list[int]]] = []
+    for index, (offset, size) in enumerate(places):
+        end = offset + _aligned(size)
+        if groups and end - groups[-1][0] <= chunk and offset == sum(groups[-1][:2]):
+            start, _, members = groups[-1]
+            groups[-1] = (start, end - start, [*members, index])
+        else:
+            groups.append((offset, end - offset, [index]))
+    return groups
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -211,9 +230,9 @@ class Parking:
                       copy_s=copied - started, unregister_s=time.monotonic() - copied)  # fmt: skip
 
     def unpark(self) -> float:
-        """Allocate every parked storage again and copy it back (on a GPU: each storage's
-        part of the file registered again, its copy queued before the next one is
-        registered). Returns the seconds it took."""
+        """Allocate every parked storage again and copy it back (on a GPU: the file
+        registered again a group of storages at a time, each group's copies queued while
+        later groups are registered). Returns the seconds it took."""
         assert self._host is not None
         started = time.monotonic()
         if self.device.type != "cuda":
@@ -222,19 +241,23 @@ class Parking:
                 _byte_view(storage).copy_(self._host[offset : offset + size])
             self._parked.clear()
             return time.monotonic() - started
-        # pinning pages is the slow part: several threads pin while this one queues copies
+        # pinning pages is the slow part: several threads pin while this one queues copies;
+        # few large registrations pin faster than many small ones
+        groups = register_groups([(offset, size) for _, offset, size in self._parked])
         with ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="xmig-pin",
                                 initializer=torch.cuda.set_device,
                                 initargs=(self.device,)) as pool:  # fmt: skip
-            pinned = [pool.submit(self._register, offset, _aligned(size))
-                      for _, offset, size in self._parked]  # fmt: skip
-            for (storage, offset, size), registered in zip(self._parked, pinned, strict=True):
+            pinned = [pool.submit(self._register, start, length) for start, length, _ in groups]
+            for (_, _, members), registered in zip(groups, pinned, strict=True):
                 try:
                     self._registered.append(registered.result())
                 except ParkingError as exc:  # copied from pageable memory: slower, as exact
                     logger.warning("parking file: %s", exc)
-                storage.resize_(size)
-                _byte_view(storage).copy_(self._host[offset : offset + size], non_blocking=True)
+                for index in members:
+                    storage, offset, size = self._parked[index]
+                    storage.resize_(size)
+                    view = _byte_view(storage)
+                    view.copy_(self._host[offset : offset + size], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._parked.clear()
