@@ -2,6 +2,7 @@
 same code registers the file with CUDA on a GPU, measured in bench/results/gpu-speed.md)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,7 @@ def test_only_parking_files_are_accepted_from_another_machine():
     assert not is_parking_file("/dev/shm/other")
     assert not is_parking_file("/etc/xmig-park-job")
     assert not is_parking_file("/dev/shm/xmig-park-../../etc/passwd")
+    assert is_parking_file("/run/park/xmig-park-job-rank1", folder=Path("/run/park"))
 
 
 def test_the_copies_back_are_registered_in_groups_no_storage_spans():

@@ -17,23 +17,30 @@ def job_folder(job_id: str) -> Path:
     return jobs_dir() / job_id
 
 
-PARK_DIR = Path("/dev/shm")  # where a moving rank parks its tensors (``worker.parking``)
 PARK_PREFIX = "xmig-park-"
 
 
-def parking_files(job_id: str, folder: Path = PARK_DIR) -> list[Path]:
+def park_dir() -> Path:
+    """Where a moving rank parks its tensors (``worker.parking``): a memory-backed folder,
+    ``/dev/shm`` unless ``XMIG_PARK_DIR`` names another (every node of a job reads the same
+    variable)."""
+    return Path(os.environ.get("XMIG_PARK_DIR", "/dev/shm"))
+
+
+def parking_files(job_id: str, folder: Path | None = None) -> list[Path]:
     """The parking files of job ``job_id`` on this machine (a crashed worker's)."""
+    folder = folder or park_dir()
     if not folder.is_dir():
         return []
     return sorted(folder.glob(f"{PARK_PREFIX}{job_id}-*"))
 
 
-def is_parking_file(path: str, folder: Path = PARK_DIR) -> bool:
+def is_parking_file(path: str, folder: Path | None = None) -> bool:
     """Whether ``path`` names a parking file: the only files an agent writes for a restore
     outside its own folder."""
     candidate = Path(path)
-    return (candidate.parent == folder and candidate.name.startswith(PARK_PREFIX)
-            and ".." not in candidate.name)  # fmt: skip
+    return (candidate.parent == (folder or park_dir())
+            and candidate.name.startswith(PARK_PREFIX) and ".." not in candidate.name)  # fmt: skip
 
 
 def machine_id() -> str:

@@ -2,10 +2,10 @@
 
 Before the agent checkpoints a moving worker, the worker copies the storages of its registered
 state (the model's parameters, gradients and buffers, the optimizer's state) into a file in
-``/dev/shm`` that it maps shared, and frees them. CRIU keeps a shared file mapping by
-reference (it does not copy its pages), and the CUDA driver's checkpoint no longer has that
-GPU memory to move: both images hold only what is left. After the restore the storages are
-allocated again and copied back, at the same tensors (every view and every reference the
+``/dev/shm`` (``XMIG_PARK_DIR``) that it maps shared, and frees them. CRIU keeps a shared file
+mapping by reference (it does not copy its pages), and the CUDA driver's checkpoint no longer
+has that GPU memory to move: both images hold only what is left. After the restore the storages
+are allocated again and copied back, at the same tensors (every view and every reference the
 optimizer or DDP holds stays valid; only the storage's address changes).
 
 On a GPU the file is registered with CUDA (pinned, so the copies run at the link's speed).
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from xmig.paths import PARK_DIR, PARK_PREFIX
+from xmig.paths import PARK_PREFIX, park_dir
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,10 @@ class Parking:
 
     @classmethod
     def prepare(cls, job_id: str, rank: int, generation: int, size: int,
-                device: torch.device, folder: Path = PARK_DIR) -> Parking:  # fmt: skip
+                device: torch.device, folder: Path | None = None) -> Parking:  # fmt: skip
         """Make, touch and (on a GPU) register a file of ``size`` bytes for rank ``rank``'s
         migration at ``generation``."""
+        folder = folder or park_dir()
         if size <= 0:
             raise ParkingError("nothing to park")
         if not folder.is_dir():
