@@ -187,8 +187,9 @@ class Migration:
             # what is left for the driver's checkpoint: tensors nothing registered holds,
             # blocks kept by them, and the CUDA context itself
             logger.info("rank %d: the GPU holds %.2f GB for the driver's checkpoint: %.2f GB "
-                        "in live tensors, %.2f GB reserved by PyTorch", ctx.rank, gpu_bytes / 1e9,
-                        torch.cuda.memory_allocated(ctx.device) / 1e9,
+                        "in live tensors (the largest: %s), %.2f GB reserved by PyTorch",
+                        ctx.rank, gpu_bytes / 1e9, torch.cuda.memory_allocated(ctx.device) / 1e9,
+                        _largest_blocks(ctx.device),
                         torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
         files = [[str(parking.path), parking.size]] if parking is not None else []
         ready = protocol.ReadyForDump(
@@ -252,3 +253,18 @@ class Migration:
         ctx = self._ctx
         held = [t for proxy in ctx.groups.proxies() for t in proxy.held_tensors()]
         return [*ctx.registry.objects.values(), *held]
+
+
+def _largest_blocks(device: torch.device, count: int = 5) -> str:
+    """The sizes of the largest live blocks of PyTorch's allocator on ``device`` (what a move
+    left on the GPU: to find what else could be parked)."""
+    sizes = []
+    try:
+        for segment in torch.cuda.memory_snapshot():
+            if segment.get("device") == device.index:
+                blocks = segment.get("blocks", [])
+                sizes += [b["size"] for b in blocks if b.get("state") == "active_allocated"]
+    except (RuntimeError, KeyError, TypeError):  # a diagnostic: it never stops a move
+        return "unknown"
+    largest = sorted(sizes, reverse=True)[:count]
+    return ", ".join(f"{size / 1e6:.0f} MB" for size in largest) or "none"
