@@ -731,6 +731,16 @@ def test_a_fault_during_a_migration_stops_the_job():
     assert job.state is S.STOPPING and job.reason == "a fault hit during the migration"
 
 
+def test_the_pause_gets_the_whole_deadline_after_the_room_is_made():
+    job, _ = migrating_job(prepared=False, recovery_timeout=5.0)
+    job.on(Tick(), T0 + 4)
+    job.on(Prepared(generation=1, ok=True, room_bytes=3, step=3, rank=1), T0 + 4)
+    job.on(Tick(), T0 + 8)
+    assert job.state is S.MIGRATING
+    job.on(Tick(), T0 + 9.5)  # 5 s after the room was made, 9 s after the start
+    assert job.state is S.STOPPING and "was not moved within 9 s" in job.reason
+
+
 def test_a_migration_deadline_stops_the_job():
     job, _ = migrating_job(recovery_timeout=5.0)
     job.on(Tick(), T0 + 6)

@@ -182,6 +182,8 @@ class Migration:
             self.prepare_error = None if event.ok else event.error
             if event.step is not None:  # it trained on meanwhile
                 self.step = max(self.step, event.step + 1)
+            # the job trained on while the room was made: the pause gets the whole time too
+            self.deadline = now + (self.deadline - self.started)
             return [*self._enter(MigrationPhase.PAUSING, now, step=self.step,
                                  room_bytes=self.room_bytes, error=self.prepare_error),
                     ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
