@@ -83,7 +83,7 @@ def test_a_host_file_the_target_lacks_is_sent_to_its_own_path(tmp_path, monkeypa
     monkeypatch.setattr(stream, "_present", lambda path, size: False)
     size, _ = fetch_images(server.address, TOKEN, tmp_path / "target", timeout=30,
                            accept=lambda path: path.startswith(str(shm)))  # fmt: skip
-    assert parked.read_bytes() == data
+    assert parked.read_bytes() == data and parked.stat().st_mode & 0o777 == 0o600
     assert size == sum(len(d) for d in files.values()) + len(data)
     assert server.sent.wait(10) and server.error is None
 
@@ -110,3 +110,21 @@ def test_a_host_file_outside_what_the_target_accepts_is_refused(tmp_path):
     with pytest.raises(StreamError, match="refusing a host file"):
         fetch_images(server.address, TOKEN, tmp_path / "target", timeout=30)
     assert victim.read_bytes() == b"v" and not (tmp_path / "victim.partial").exists()
+
+
+def test_a_link_planted_where_a_host_file_arrives_is_not_followed(tmp_path, monkeypatch):
+    _images(tmp_path / "source")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    parked = shm / "xmig-park-job-rank0"
+    parked.write_bytes(b"p" * 4096)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v")
+    (shm / "xmig-park-job-rank0.partial").symlink_to(victim)  # another local user's trap
+    server = ImageServer(tmp_path / "source", TOKEN, "127.0.0.1", timeout=30,
+                         host_files=[str(parked)])  # fmt: skip
+    monkeypatch.setattr(stream, "_present", lambda path, size: False)
+    with pytest.raises(StreamError):
+        fetch_images(server.address, TOKEN, tmp_path / "target", timeout=30,
+                     accept=lambda path: path.startswith(str(shm)))  # fmt: skip
+    assert victim.read_bytes() == b"v"

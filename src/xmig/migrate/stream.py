@@ -89,8 +89,16 @@ def _present(path: str, size: int) -> bool:
     return os.path.exists(path) and os.path.getsize(path) == size
 
 
-def _receive(sock: socket.socket, view: memoryview, path: Path, size: int) -> None:
-    with path.open("wb") as out:
+def _receive(sock: socket.socket, view: memoryview, path: Path, size: int,
+             shared_dir: bool = False) -> None:  # fmt: skip
+    """``size`` bytes from ``sock`` into a new file at ``path``. ``shared_dir``: in a folder
+    every user may write to (``/dev/shm``): the file must not exist yet (a link planted
+    there is not followed) and only its owner may read it (it holds a model's state)."""
+    if shared_dir:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    with os.fdopen(fd, "wb") as out:
         left = size
         while left:
             got = sock.recv_into(view, min(len(view), left))
@@ -139,7 +147,7 @@ def fetch_images(
             total += int(size)
         for path, size in missing:  # whole, or not there at all
             partial = Path(f"{path}.partial")
-            _receive(sock, view, partial, size)
+            _receive(sock, view, partial, size, shared_dir=True)
             os.replace(partial, path)
             total += size
         conn.send({"ok": True})
