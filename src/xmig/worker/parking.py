@@ -88,7 +88,8 @@ def expected_bytes(objects: Iterable[Any]) -> int:
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
             for param in obj.parameters():
-                size = param.numel() * param.element_size()
+                local = getattr(param, "_local_tensor", param)  # a DTensor's gradient: its shard
+                size = local.numel() * local.element_size()
                 if param.requires_grad and param.grad is None and size >= MIN_STORAGE_BYTES:
                     total += _aligned(size)
     return total
