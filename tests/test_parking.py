@@ -98,12 +98,15 @@ def test_what_does_not_fit_stays_in_place(job_id):
     assert _same(_state(model, optimizer), before)
 
 
-def test_no_room_and_nothing_to_park_are_refused(job_id, tmp_path):
+def test_no_room_and_nothing_to_park_are_refused(job_id, tmp_path, monkeypatch):
     with pytest.raises(ParkingError, match="nothing to park"):
         Parking.prepare(job_id, 0, 1, 0, torch.device("cpu"))
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     with pytest.raises(ParkingError, match="GiB free"):
         Parking.prepare(job_id, 0, 1, free + 1, torch.device("cpu"), folder=tmp_path)
+    monkeypatch.setenv("XMIG_PARK", "0")
+    with pytest.raises(ParkingError, match="turned off"):
+        Parking.prepare(job_id, 0, 1, 4096, torch.device("cpu"))
     assert parking_files(job_id) == [] and list(tmp_path.iterdir()) == []
 
 

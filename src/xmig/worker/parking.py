@@ -148,6 +148,10 @@ class Parking:
         """Make, touch and (on a GPU) register a file of ``size`` bytes for rank ``rank``'s
         migration at ``generation``."""
         folder = folder or park_dir()
+        if os.environ.get("XMIG_PARK") == "0":
+            # a parked tensor comes back at another address: code that keeps raw device
+            # pointers across steps (captured CUDA graphs) needs the driver's way, which keeps them
+            raise ParkingError("parking is turned off (XMIG_PARK=0)")
         if size <= 0:
             raise ParkingError("nothing to park")
         if not folder.is_dir():
