@@ -20,9 +20,11 @@ The channels between processes, all of them:
   ``agent_hello``; the coordinator's first stdout line (its address and store port);
 - a hot spare's start line on its stdin (``xmig.agent.spare``: environment, script, args)
   and the one byte it writes to ``XMIG_SPARE_READY_FD`` when warm;
-- a migrated worker's rejoin file (``Dump.rejoin_file``, written by the target agent: its
-  address, node and PID), and the CRIU images, in a shared folder or streamed between agents
-  (``xmig.migrate.stream``, token-authenticated);
+- a migrated worker's rejoin file (``Dump.rejoin_file``, written by the target agent once
+  the process and its GPU state are back: its address, node and PID), and the CRIU images,
+  read in place on one machine, in a shared folder or streamed between agents
+  (``xmig.migrate.stream``, token-authenticated), with the moving rank's parking file
+  (``xmig.worker.parking``, in ``xmig.paths.park_dir()``) where the target's machine lacks it;
 - the job's c10d store (hosted by the coordinator), used only to build communicators, under
   the prefix ``xmig.ccl.store_namespace(token)``; the state pulled over a pair communicator
   is checked against the digest its sender announced here (``StateSent``/``StateAnnounced``);
