@@ -36,6 +36,9 @@ GPU_SIZES = {
     "gpt100m": ["--preset", "gpt100m", "--batch-size", "4"],
     "gpt350m": ["--preset", "gpt350m", "--batch-size", "4"],
     "gpt350m, batch 16": ["--preset", "gpt350m", "--batch-size", "16"],
+    # 671 M parameters: its parameters, gradients, AdamW's state, DDP's buckets and the
+    # replay log's copies are ~16 GB of live tensors at a step boundary (18 GB held)
+    "gpt700m": ["--preset", "gpt350m", "--n-layer", "48", "--batch-size", "8"],
 }
 STEPS = 5
 GPU_STEPS = 20  # room for the moving rank to prepare (seconds at 18 GB) before the job ends

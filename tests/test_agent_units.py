@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from xmig.agent.agent import set_worker_defaults
 from xmig.agent.spare import READY_FD
 from xmig.agent.spares import Spare, SparePool, spare_may_start
 from xmig.jobspec import JobSpec
@@ -115,3 +116,18 @@ def test_stop_kills_every_spare_and_starts_no_more(pool, environ, tmp_path):
     assert waiting.proc.returncode is not None and ready.proc.returncode is not None
     assert not pool._selector.get_map()  # nothing left watched
     assert pool.keep(str(tmp_path), workers=0, workers_starting=False) is None
+
+
+def test_workers_get_expandable_segments_unless_the_job_set_its_allocator():
+    environ: dict[str, str] = {}
+    set_worker_defaults(environ, world_size=2)
+    assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert environ["OMP_NUM_THREADS"] == "1" and environ["PYTHONUNBUFFERED"] == "1"
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        own = {name: "max_split_size_mb:128"}
+        set_worker_defaults(own, world_size=1)
+        assert own.get("PYTORCH_CUDA_ALLOC_CONF", "") != "expandable_segments:True"
+        assert own[name] == "max_split_size_mb:128"
+    single: dict[str, str] = {}
+    set_worker_defaults(single, world_size=1)
+    assert "OMP_NUM_THREADS" not in single  # one rank: the machine's threads are its own

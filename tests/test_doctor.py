@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from xmig.launch import doctor
 from xmig.migrate.criu import ENV_VAR
+from xmig.paths import huge_pages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -13,7 +16,8 @@ pytestmark = pytest.mark.timeout(120)
 def test_report_shape(capsys: pytest.CaptureFixture[str]) -> None:
     report = doctor.doctor_report()
     names = [name for name, _, _ in report]
-    assert names == ["CRIU", "root", "network namespaces", "CUDA checkpoint API"]
+    assert names == ["CRIU", "root", "network namespaces", "parking folder",
+                     "CUDA checkpoint API"]  # fmt: skip
     for name, ok, detail in report:
         assert isinstance(name, str) and isinstance(ok, bool)
         assert isinstance(detail, str) and detail.strip(), name
@@ -43,3 +47,33 @@ def test_a_raising_check_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     assert doctor.doctor_report() == [
         ("broken", False, "the check itself failed: OSError: boom"),
     ]
+
+
+def test_the_parking_folder_is_reported_with_its_pages(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XMIG_PARK_DIR", "/dev/shm")
+    ok, detail = doctor.check_park_dir()[1:]
+    assert ok and "/dev/shm: tmpfs" in detail
+    assert ("4 KiB pages" in detail) == (huge_pages(Path("/dev/shm")) == "never")
+    monkeypatch.setenv("XMIG_PARK_DIR", str(tmp_path))  # a disk folder
+    ok, detail = doctor.check_park_dir()[1:]
+    assert ok  # parking works there, only slower
+    assert ("not a tmpfs" in detail) == (huge_pages(tmp_path) is None)
+    monkeypatch.setenv("XMIG_PARK_DIR", "/nonexistent/park")
+    ok, detail = doctor.check_park_dir()[1:]
+    assert not ok and "XMIG_PARK_DIR" in detail
+
+
+def test_huge_pages_reads_the_mount_that_holds_the_folder() -> None:
+    mounts = (
+        "tmpfs /dev/shm tmpfs rw,nosuid,size=100k 0 0\n"
+        "tmpfs /run/xmig\\040park tmpfs rw,size=60G,huge=within_size 0 0\n"
+        "tmpfs /mnt/a tmpfs rw,huge=advise 0 0\n"
+        "/dev/vda1 /mnt/a/disk ext4 rw 0 0\n"
+    )
+    assert huge_pages(Path("/dev/shm"), mounts) == "never"
+    assert huge_pages(Path("/run/xmig park/x"), mounts) == "within_size"
+    assert huge_pages(Path("/mnt/a/b"), mounts) == "advise"
+    assert huge_pages(Path("/mnt/a/disk/b"), mounts) is None  # the mount on top
+    assert huge_pages(Path("/mnt/ab"), mounts) is None  # a prefix is not a parent

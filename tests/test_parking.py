@@ -7,13 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from xmig.paths import is_parking_file, parking_files
+from xmig.paths import huge_pages, is_parking_file, parking_files
+from xmig.worker import parking as parking_module
+from xmig.worker.memory import anonymous_bytes, trim_host_memory
 from xmig.worker.parking import (
     MIN_STORAGE_BYTES,
     Parking,
     ParkingError,
+    chunks,
     expected_bytes,
-    register_groups,
+    pieces,
     storages,
 )
 
@@ -118,12 +121,54 @@ def test_only_parking_files_are_accepted_from_another_machine():
     assert is_parking_file("/run/park/xmig-park-job-rank1", folder=Path("/run/park"))
 
 
-def test_the_copies_back_are_registered_in_groups_no_storage_spans():
-    # (offset, bytes) in the file's order, pages of 4096; groups of at most 3 pages here
-    places = [(0, 4096), (4096, 100), (8192, 4096), (12288, 5 * 4096), (32768, 10)]
-    assert register_groups(places, chunk=3 * 4096) == [
-        (0, 3 * 4096, [0, 1, 2]),
-        (12288, 5 * 4096, [3]),  # larger than a group: one of its own
-        (32768, 4096, [4]),
-    ]
-    assert register_groups([]) == []
+def test_the_file_is_pinned_in_chunks_and_copies_are_split_where_a_chunk_ends():
+    assert chunks(10, chunk=4) == [(0, 4), (4, 4), (8, 2)]
+    assert chunks(8, chunk=4) == [(0, 4), (4, 4)]
+    assert chunks(0, chunk=4) == []
+    assert pieces(0, 4, chunk=4) == [(0, 4)]
+    assert pieces(2, 9, chunk=4) == [(2, 4), (4, 8), (8, 11)]
+    assert pieces(5, 2, chunk=4) == [(5, 7)]
+    # every byte once, in order, none across an edge
+    for offset, size in ((0, 1), (3, 13), (4096, 3 * 4096 + 7)):
+        cut = pieces(offset, size, chunk=4096)
+        assert cut[0][0] == offset and cut[-1][1] == offset + size
+        assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False))
+        assert all(start // 4096 == (end - 1) // 4096 for start, end in cut)
+
+
+def test_storages_that_cross_a_chunk_edge_are_parked_in_pieces(job_id, monkeypatch):
+    monkeypatch.setattr(parking_module, "REGISTER_CHUNK", 3 * 4096)
+    torch.manual_seed(0)
+    tensors = [torch.randn(n) for n in (5000, 1025, 7000, 3 * 1024)]  # not page multiples
+    expected = [t.clone() for t in tensors]
+    parking = Parking.prepare(job_id, 0, 1, expected_bytes(tensors), torch.device("cpu"))
+    try:
+        parked = parking.park(tensors)
+        assert parked.storages == len(tensors)
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        parking.unpark()
+    finally:
+        parking.close()
+    for got, want in zip(tensors, expected, strict=True):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_trimming_gives_freed_heap_back_and_the_count_sees_it():
+    # many mid-sized blocks come from the C library's heap, which keeps them once freed
+    before = anonymous_bytes()
+    assert before is not None and before > 0
+    blocks = [torch.ones(64 * 1024) for _ in range(2000)]  # 256 KiB each, 0.5 GB in all
+    held = anonymous_bytes()
+    assert held is not None and held > before + 400e6
+    del blocks
+    trim_host_memory()
+    after = anonymous_bytes()
+    assert after is not None and after < held - 400e6
+
+
+def test_the_parking_file_asks_for_huge_pages_and_says_whether_it_got_them(job_id):
+    parking = Parking.prepare(job_id, 0, 1, 1 << 21, torch.device("cpu"))
+    try:
+        assert parking.huge_pages == (huge_pages(parking.path.parent) != "never")
+    finally:
+        parking.close()

@@ -27,6 +27,33 @@ def park_dir() -> Path:
     return Path(os.environ.get("XMIG_PARK_DIR", "/dev/shm"))
 
 
+def huge_pages(folder: Path, mounts: str | None = None) -> str | None:
+    """The huge page policy of the tmpfs that holds ``folder`` (its ``huge=`` option:
+    ``always``, ``within_size``, ``advise``; ``never`` when it has none), or None if it is not
+    a tmpfs. A parking file on huge pages is pinned for the GPU and torn down many times
+    faster than one on 4 KiB pages (measured: ``bench/results/gpu-speed.md``).
+    ``mounts``: the text of ``/proc/self/mounts`` (tests)."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return None
+    target = os.path.realpath(folder)
+    best: tuple[int, str, str] | None = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= best[0]):  # the last mount over it wins
+            best = (len(point), fields[2], fields[3])
+    if best is None or best[1] != "tmpfs":
+        return None
+    options = dict(o.split("=", 1) if "=" in o else (o, "") for o in best[2].split(","))
+    return options.get("huge", "never")
+
+
 def parking_files(job_id: str, folder: Path | None = None) -> list[Path]:
     """The parking files of job ``job_id`` on this machine (a crashed worker's)."""
     folder = folder or park_dir()

@@ -864,11 +864,7 @@ class Agent:
         environ[COORD_ADDR] = format_address(self.coord_addr)
         environ[JOB_ID] = job.job_id
         environ[TOKEN] = self.token
-        environ.setdefault("PYTHONUNBUFFERED", "1")
-        if job.world_size > 1:
-            # as torchrun does, but for every multi-rank job: all simulated nodes share this
-            # machine, and a rank's numerics must not depend on how ranks map to nodes
-            environ.setdefault("OMP_NUM_THREADS", "1")
+        set_worker_defaults(environ, job.world_size)
         return environ
 
     # ---- hot spares ---------------------------------------------------------------------------
@@ -1025,3 +1021,18 @@ EVENT_HANDLERS: dict[type, Callable[..., int | None]] = {
     CoordBack: Agent._coord_back,
     CoordGone: Agent._coord_gone,
 }
+
+
+def set_worker_defaults(environ: dict[str, str], world_size: int) -> None:
+    """The settings every worker gets unless the job's environment has its own."""
+    environ.setdefault("PYTHONUNBUFFERED", "1")
+    if world_size > 1:
+        # as torchrun does, but for every multi-rank job: all simulated nodes share this
+        # machine, and a rank's numerics must not depend on how ranks map to nodes
+        environ.setdefault("OMP_NUM_THREADS", "1")
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+        # a moving GPU rank frees its parked tensors' memory for good only where no live
+        # block shares a segment with them: measured at 18 GB, the driver's checkpoint
+        # carries 1.0 GB instead of 1.6 GB, and no steady-state cost was seen
+        # (bench/results/gpu-speed.md)
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

@@ -1,7 +1,8 @@
 """``xmig doctor``: whether this machine has what moving a process needs.
 
-Checks CRIU, root, network namespaces through ``ip netns``, and on a GPU machine the CUDA
-checkpoint API. Every check reports instead of raising.
+Checks CRIU, root, network namespaces through ``ip netns``, the folder a moving rank parks
+its tensors in, and on a GPU machine the CUDA checkpoint API. Every check reports instead of
+raising.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xmig.migrate.criu import criu_status
+from xmig.paths import huge_pages, park_dir
 
 Check = tuple[str, bool, str]
 """(check name, ok, detail)."""
@@ -38,6 +40,26 @@ def check_root() -> Check:
     if uid == 0:
         return "root", True, "running as root"
     return "root", False, f"running as uid {uid}: CRIU and network namespaces need root"
+
+
+def check_park_dir() -> Check:
+    """The folder a moving rank parks its tensors in (``XMIG_PARK_DIR``): there, writable,
+    memory-backed, and whether it has huge pages (a GPU rank's large parking file pins and is
+    torn down seconds faster on them)."""
+    name = "parking folder"
+    folder = park_dir()
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return name, False, (f"{folder} is not a writable folder: a moving rank keeps its "
+                             "tensors in its process (slower); set XMIG_PARK_DIR")  # fmt: skip
+    room = os.statvfs(folder)
+    free = f"{room.f_bavail * room.f_frsize / 2**30:.1f} GiB free"
+    policy = huge_pages(folder)
+    if policy is None:
+        return name, True, f"{folder}: {free}, but not a tmpfs: parked tensors go to its disk"
+    if policy == "never":
+        return name, True, (f"{folder}: tmpfs, {free}, 4 KiB pages; for GPU ranks mount a "
+                            "tmpfs with huge=within_size and set XMIG_PARK_DIR to it")  # fmt: skip
+    return name, True, f"{folder}: tmpfs, {free}, huge pages ({policy})"
 
 
 def check_netns(timeout: float = 10.0) -> Check:
@@ -127,6 +149,7 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_criu,
     check_root,
     check_netns,
+    check_park_dir,
     check_cuda_checkpoint,
 )
 

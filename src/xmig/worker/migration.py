@@ -20,6 +20,7 @@ from xmig import protocol
 from xmig.procs import die_with_parent, outlive_parent
 from xmig.worker.context import WorkerContext
 from xmig.worker.errors import exit_now
+from xmig.worker.memory import anonymous_bytes, trim_host_memory
 from xmig.worker.parking import Parked, Parking, ParkingError, expected_bytes
 from xmig.worker.phase import WorkerPhase
 
@@ -73,8 +74,14 @@ class Migration:
         with self._lock:
             self._parking, self._parking_for = made, order.generation
         took = time.monotonic() - started
-        logger.info("rank %d: room for %.2f GB of tensors in %s, made in %.2f s", ctx.rank,
-                    size / 1e9, made.path, took)  # fmt: skip
+        pages = "huge pages" if made.huge_pages else "4 KiB pages"
+        logger.info("rank %d: room for %.2f GB of tensors in %s (%s), made in %.2f s", ctx.rank,
+                    size / 1e9, made.path, pages, took)  # fmt: skip
+        if not made.huge_pages and made.device.type == "cuda" and size >= 1 << 30:
+            logger.warning("rank %d: the parking folder %s has 4 KiB pages: pinning and "
+                           "tearing down %.1f GB of them adds seconds to the move; a tmpfs "
+                           "mounted with huge=within_size (XMIG_PARK_DIR) avoids that",
+                           ctx.rank, made.path.parent, size / 1e9)  # fmt: skip
         ctx.send(protocol.Prepared(generation=order.generation, ok=True, room_bytes=size,
                                    prepare_s=took, step=step, t=time.time()))  # fmt: skip
 
@@ -191,6 +198,12 @@ class Migration:
                         ctx.rank, gpu_bytes / 1e9, torch.cuda.memory_allocated(ctx.device) / 1e9,
                         _largest_blocks(ctx.device),
                         torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
+        before = anonymous_bytes()
+        trim_host_memory()
+        after = anonymous_bytes()
+        if before is not None and after is not None:
+            logger.info("rank %d: %.2f GB of anonymous host memory for CRIU (%.2f GB before "
+                        "trimming)", ctx.rank, after / 1e9, before / 1e9)  # fmt: skip
         files = [[str(parking.path), parking.size]] if parking is not None else []
         ready = protocol.ReadyForDump(
             gpu=gpu, gpu_bytes=gpu_bytes, held_bytes=held, t=time.time(), host_files=files,
@@ -256,15 +269,22 @@ class Migration:
 
 
 def _largest_blocks(device: torch.device, count: int = 5) -> str:
-    """The sizes of the largest live blocks of PyTorch's allocator on ``device`` (what a move
-    left on the GPU: to find what else could be parked)."""
-    sizes = []
+    """The sizes of the largest live blocks of PyTorch's allocator on ``device``, and the
+    segments live blocks keep (what a move left on the GPU: to find what else could be
+    parked)."""
+    sizes, kept, kept_bytes = [], 0, 0
     try:
         for segment in torch.cuda.memory_snapshot():
-            if segment.get("device") == device.index:
-                blocks = segment.get("blocks", [])
-                sizes += [b["size"] for b in blocks if b.get("state") == "active_allocated"]
+            if segment.get("device") != device.index:
+                continue
+            live = [b["size"] for b in segment.get("blocks", [])
+                    if b.get("state") == "active_allocated"]  # fmt: skip
+            sizes += live
+            if live:
+                kept += 1
+                kept_bytes += segment.get("total_size", 0)
     except (RuntimeError, KeyError, TypeError):  # a diagnostic: it never stops a move
         return "unknown"
     largest = sorted(sizes, reverse=True)[:count]
-    return ", ".join(f"{size / 1e6:.0f} MB" for size in largest) or "none"
+    blocks = ", ".join(f"{size / 1e6:.0f} MB" for size in largest) or "none"
+    return f"{blocks}; {len(sizes)} live blocks keep {kept} segments of {kept_bytes / 1e9:.2f} GB"

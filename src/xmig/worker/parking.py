@@ -8,12 +8,15 @@ has that GPU memory to move: both images hold only what is left. After the resto
 are allocated again and copied back, at the same tensors (every view and every reference the
 optimizer or DDP holds stays valid; only the storage's address changes).
 
-On a GPU the file is registered with CUDA (pinned, so the copies run at the link's speed).
-Making the file and registering it cost seconds (the first touch of the memory and the pinning
-of its pages): ``Parking.prepare`` does it ahead, while the job still trains. The registration
-is dropped before the checkpoint (the driver's restore grows with registered host memory) and
-made again after the restore a group of storages at a time, each group's copies running while
-later groups are registered (a copy may not span two registrations: measured, CUDA refuses it).
+On a GPU the file is registered with CUDA (pinned, so the copies run at the link's speed), in
+chunks of 1 GiB pinned and unpinned on several threads; a copy is split where one chunk ends
+(measured: CUDA refuses a copy that spans two registrations). Making the file and registering
+it cost seconds (the first touch of the memory and the pinning of its pages):
+``Parking.prepare`` does it ahead, while the job still trains. The registration is dropped
+before the checkpoint (measured: the driver's checkpoint and restore, and CRIU's dump, grow
+with registered host memory) and made again after the restore, each chunk's copies queued as
+soon as it is pinned. On a tmpfs with huge pages all of this is several times faster
+(``xmig.paths.huge_pages``).
 The file's name says its job, so whatever a crash leaves is removed with the job's other
 leftovers (``xmig.paths.parking_files``).
 """
@@ -21,6 +24,8 @@ leftovers (``xmig.paths.parking_files``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import secrets
@@ -33,7 +38,7 @@ from typing import Any
 
 import torch
 
-from xmig.paths import PARK_PREFIX, park_dir
+from xmig.paths import PARK_PREFIX, huge_pages, park_dir
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +46,9 @@ MIN_STORAGE_BYTES = 1 << 12  # smaller storages stay: parking them saves nothing
 ALIGN = 4096  # each storage's place in the file starts on a page
 ROOM_MARGIN = 1 << 28  # free room the file leaves in its filesystem
 REGISTER_THREADS = 4
-REGISTER_CHUNK = 1 << 30  # bytes a registration of the copies back covers, about
+REGISTER_CHUNK = 1 << 30  # bytes one registration of the file covers (the last: fewer)
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+MADV_HUGEPAGE = 14
 
 
 class ParkingError(RuntimeError):
@@ -95,26 +101,42 @@ def expected_bytes(objects: Iterable[Any]) -> int:
     return total
 
 
+def _advise_huge_pages(host: torch.Tensor) -> None:
+    """Ask for huge pages for the file's mapping (heeded on a tmpfs mounted ``huge=advise``;
+    ``always`` and ``within_size`` need no asking, ``never`` ignores it)."""
+    name = ctypes.util.find_library("c")
+    if name is None or host.numel() == 0:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.madvise(ctypes.c_void_p(host.data_ptr()), ctypes.c_size_t(host.numel()),
+                     MADV_HUGEPAGE)  # fmt: skip
+
+
 def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def register_groups(
-    places: list[tuple[int, int]], chunk: int = REGISTER_CHUNK
-) -> list[tuple[int, int, list[int]]]:
-    """Consecutive parked storages (``(offset, bytes)`` each, in the file's order) grouped
-    into registrations of about ``chunk`` bytes: ``(start, length, indices)`` each. A copy may
-    not span two registrations, so a group ends only between storages (one larger than
-    ``chunk`` is a group of its own)."""
-    groups: list[tuple[int, int, list[int]]] = []
-    for index, (offset, size) in enumerate(places):
-        end = offset + _aligned(size)
-        if groups and end - groups[-1][0] <= chunk and offset == sum(groups[-1][:2]):
-            start, _, members = groups[-1]
-            groups[-1] = (start, end - start, [*members, index])
-        else:
-            groups.append((offset, end - offset, [index]))
-    return groups
+def chunks(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """The file's registrations: ``(start, length)`` pieces of ``chunk`` bytes (default
+    ``REGISTER_CHUNK``) covering ``size`` bytes, each pinned (and unpinned) on a thread of
+    its own."""
+    chunk = chunk or REGISTER_CHUNK
+    return [(start, min(chunk, size - start)) for start in range(0, size, chunk)]
+
+
+def pieces(offset: int, size: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """``(start, end)`` in the file of the copies that move a storage parked at ``offset``:
+    split where one registration ends and the next begins (measured: CUDA refuses a copy
+    that spans two)."""
+    chunk = chunk or REGISTER_CHUNK
+    cuts = []
+    start, end = offset, offset + size
+    while start < end:
+        stop = min(end, (start // chunk + 1) * chunk)
+        cuts.append((start, stop))
+        start = stop
+    return cuts
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -167,16 +189,20 @@ class Parking:
         try:
             # shared: the mapping is the file's, which CRIU keeps by reference
             host = torch.from_file(str(parking.path), shared=True, size=size, dtype=torch.uint8)
+            _advise_huge_pages(host)
             host.zero_()  # the first touch of every page, now rather than during the move
             parking._host = host
             if device.type == "cuda":
-                torch.cuda.set_device(device)  # this thread's, not another GPU's context
-                # one registration: a copy may start anywhere
-                parking._registered.append(parking._register(0, size))
+                parking._register_all()
         except BaseException:
             parking.close()
             raise
         return parking
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the file is on a tmpfs that gives it huge pages."""
+        return huge_pages(self.path.parent) in ("always", "within_size", "advise")
 
     @property
     def parked_bytes(self) -> int:
@@ -196,15 +222,42 @@ class Parking:
             raise ParkingError(f"cudaHostRegister of {length} bytes failed: error {int(err)}")
         return address
 
+    def _pool(self) -> ThreadPoolExecutor:
+        # pinning and unpinning pages is the slow part of a registration: it runs on
+        # several threads, each on this file's device
+        return ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="xmig-pin",
+                                  initializer=torch.cuda.set_device,
+                                  initargs=(self.device,))  # fmt: skip
+
+    def _register_all(self) -> None:
+        """Pin the whole file, a chunk per registration; on failure none stays pinned."""
+        with self._pool() as pool:
+            pinned = [pool.submit(self._register, start, length)
+                      for start, length in chunks(self.size)]  # fmt: skip
+            errors = []
+            for future in pinned:
+                try:
+                    self._registered.append(future.result())
+                except ParkingError as exc:
+                    errors.append(exc)
+        if errors:
+            self._unregister_all()
+            raise errors[0]
+
+    def _unregister(self, address: int) -> None:
+        err = self._cudart().cudaHostUnregister(address)
+        if int(err) != 0:
+            logger.warning("cudaHostUnregister failed: error %d", int(err))
+
     def _unregister_all(self) -> None:
         if not self._registered:
             return
-        cudart = self._cudart()
-        for address in self._registered:
-            err = cudart.cudaHostUnregister(address)
-            if int(err) != 0:
-                logger.warning("cudaHostUnregister failed: error %d", int(err))
-        self._registered.clear()
+        registered, self._registered = self._registered, []
+        if len(registered) == 1:
+            self._unregister(registered[0])
+            return
+        with self._pool() as pool:
+            list(pool.map(self._unregister, registered))
 
     def park(self, objects: Iterable[Any]) -> Parked:
         """Copy ``objects``' storages into the file and free them; what does not fit stays.
@@ -219,8 +272,11 @@ class Parking:
             chosen.append((storage, offset, size))
             offset += _aligned(size)
         try:
-            for storage, start, size in chosen:
-                self._host[start : start + size].copy_(_byte_view(storage), non_blocking=True)
+            for storage, offset, size in chosen:
+                view = _byte_view(storage)
+                for start, end in pieces(offset, size):
+                    self._host[start:end].copy_(view[start - offset : end - offset],
+                                                non_blocking=True)  # fmt: skip
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except RuntimeError as exc:  # nothing freed yet: every tensor is still where it was
@@ -236,36 +292,37 @@ class Parking:
                       copy_s=copied - started, unregister_s=time.monotonic() - copied)  # fmt: skip
 
     def unpark(self) -> float:
-        """Allocate every parked storage again and copy it back (on a GPU: the file
-        registered again a group of storages at a time, each group's copies queued while
-        later groups are registered). Returns the seconds it took."""
+        """Allocate every parked storage again and copy it back (on a GPU: the file pinned
+        again a chunk at a time on several threads, each chunk's copies queued once it is
+        pinned). Returns the seconds it took."""
         assert self._host is not None
         started = time.monotonic()
+        for storage, _, size in self._parked:
+            storage.resize_(size)
         if self.device.type != "cuda":
             for storage, offset, size in self._parked:
-                storage.resize_(size)
                 _byte_view(storage).copy_(self._host[offset : offset + size])
             self._parked.clear()
             return time.monotonic() - started
-        # pinning pages is the slow part: several threads pin while this one queues copies;
-        # few large registrations pin faster than many small ones
-        groups = register_groups([(offset, size) for _, offset, size in self._parked])
-        with ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="xmig-pin",
-                                initializer=torch.cuda.set_device,
-                                initargs=(self.device,)) as pool:  # fmt: skip
-            pinned = [pool.submit(self._register, start, length) for start, length, _ in groups]
-            for (_, _, members), registered in zip(groups, pinned, strict=True):
+        # the copies of each chunk: (storage's byte view, start in it, start, end in the file)
+        by_chunk: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
+        for storage, offset, size in self._parked:
+            view = _byte_view(storage)
+            for start, end in pieces(offset, size):
+                by_chunk.setdefault(start // REGISTER_CHUNK, []).append(
+                    (view, start - offset, start, end)
+                )
+        with self._pool() as pool:
+            pinned = [pool.submit(self._register, start, length)
+                      for start, length in chunks(self.size)]  # fmt: skip
+            for index, registered in enumerate(pinned):
                 try:
                     self._registered.append(registered.result())
                 except ParkingError as exc:  # copied from pageable memory: slower, as exact
                     logger.warning("parking file: %s", exc)
-                for index in members:
-                    storage, offset, size = self._parked[index]
-                    storage.resize_(size)
-                    view = _byte_view(storage)
-                    view.copy_(self._host[offset : offset + size], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+                for view, at, start, end in by_chunk.get(index, []):
+                    view[at : at + end - start].copy_(self._host[start:end], non_blocking=True)
+        torch.cuda.synchronize(self.device)
         self._parked.clear()
         return time.monotonic() - started
 
