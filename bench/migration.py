@@ -144,7 +144,10 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
         "connection, its agent checkpoints it with `criu dump --tcp-close`, the spare node's "
         "agent fetches the images and restores it (same PID, its own network namespace) and "
         "adopts it, it reconnects, and every rank resumes on a new communicator. No state pull "
-        "and no replay. Seconds; downtime is from every rank paused to every rank resumed.",
+        "and no replay. Seconds; downtime is from the pause boundary (of the rank that took "
+        "longest to stop: `stop`, its communicator aborted and, on the moving rank, its tensors "
+        "parked meanwhile, `park`) to every rank resumed; `quiesce`, the job training on to that "
+        "boundary, is not downtime.",
         "",
     ]
     lines += [
@@ -174,15 +177,15 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
             "file; driver: what the driver's checkpoint moved (NVML). Goals: ≤ 1.5 s of "
             "downtime at about 1.3 GB held, ≤ 5 s at about 18 GB.",
             "",
-            "| model | held | parked | driver | image | prepare | quiesce | park | "
+            "| model | held | parked | driver | image | prepare | quiesce | stop (park) | "
             "GPU checkpoint | dump | transfer | restore | GPU restore | unpark | rejoin | "
             "downtime | goal | same PID | bit-identical |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     else:
         lines += [
-            "| model | parked | image | prepare | quiesce | park | dump | transfer | restore | "
-            "unpark | rejoin | downtime | same PID | bit-identical |",
+            "| model | parked | image | prepare | quiesce | stop (park) | dump | transfer | "
+            "restore | unpark | rejoin | downtime | same PID | bit-identical |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for name, moved, record, same in rows:
@@ -206,7 +209,8 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
                 f"| {name} | {held / 1e9:.2f} GB | {parked} | "
                 f"{record.get('gpu_bytes', 0) / 1e9:.2f} GB | "
                 f"{record['image_bytes'] / 1e9:.2f} GB | {p['prepare']:.3f} | "
-                f"{p['quiesce']:.3f} | {p['park']:.3f} | {p['gpu_checkpoint']:.3f} | "
+                f"{p['quiesce']:.3f} | {p['stop']:.3f} ({p['park']:.3f}) | "
+                f"{p['gpu_checkpoint']:.3f} | "
                 f"{p['dump']:.3f} | {p['transfer']:.3f} | {p['restore']:.3f} | "
                 f"{p['gpu_restore']:.3f} | {p['unpark']:.3f} | {p['rejoin']:.3f} | "
                 f"**{record['downtime_s']:.2f}** | {goal} | {kept} | {identical} |"
@@ -214,7 +218,7 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
         else:
             lines.append(
                 f"| {name} | {parked} | {record['image_bytes'] / 1e6:.0f} MB | "
-                f"{p['prepare']:.3f} | {p['quiesce']:.3f} | {p['park']:.3f} | "
+                f"{p['prepare']:.3f} | {p['quiesce']:.3f} | {p['stop']:.3f} ({p['park']:.3f}) | "
                 f"{p['dump']:.3f} | {p['transfer']:.3f} | {p['restore']:.3f} | "
                 f"{p['unpark']:.3f} | {p['rejoin']:.3f} | **{record['downtime_s']:.2f}** | "
                 f"{kept} | {identical} |"

@@ -13,7 +13,7 @@ from xmig.coord.machine import (
     Job,
     JobState,
 )
-from xmig.coord.migration import MIGRATION_TRANSITIONS, MigrationPhase
+from xmig.coord.migration import DOWNTIME_PHASES, MIGRATION_TRANSITIONS, MigrationPhase
 from xmig.coord.orders import (
     AgentLost,
     Finish,
@@ -647,22 +647,24 @@ def test_a_migration_nobody_can_do_is_refused():
 
 def test_pause_refused_moves_the_pause_to_a_later_step():
     job, _ = migrating_job()
-    job.on(Paused(generation=1, step=4, rank=0), T0)
+    job.on(Paused(generation=1, step=4, rank=0, stop_s=0.5, park_s=0.4), T0)
     orders = job.on(PauseRefused(generation=1, step=5, rank=1), T0)
     assert sent(orders, Pause) == [("all", Pause(generation=1, step=6))]
     assert job.migration.paused == {}
+    assert job.migration.stop_s == job.migration.park_s == 0.0  # that pause's do not count
 
 
 def test_the_whole_migration_ends_running_with_its_record():
     job, _ = migrating_job()
-    job.on(Paused(generation=1, step=4, rank=0), T0 + 0.1)
-    orders = job.on(Paused(generation=1, step=4, rank=1), T0 + 0.2)
+    job.on(Paused(generation=1, step=4, rank=0, stop_s=0.08), T0 + 0.1)
+    # the moving rank parked while its communicator was aborted
+    orders = job.on(Paused(generation=1, step=4, rank=1, stop_s=0.15, park_s=0.1), T0 + 0.2)
     assert job.migration.phase is MigrationPhase.DUMPING
     ((node, dump),) = sent(orders, Dump)
     assert node == 1 and dump.rank == 1
     files = [["/dev/shm/xmig-park-j-rank1", 3]]
     orders = job.on(Dumped(rank=1, node=1, generation=1, ok=True, dump_s=0.3, image_bytes=5,
-                           held_bytes=7, parked_bytes=3, park_s=0.1, host_files=files),
+                           held_bytes=7, parked_bytes=3, host_files=files),
                     T0 + 0.6)  # fmt: skip
     ((node, restore),) = sent(orders, Restore)
     assert node == 2 and restore.pid == 201 and job.migration.phase is MigrationPhase.RESTORING
@@ -678,9 +680,13 @@ def test_the_whole_migration_ends_running_with_its_record():
     assert record["pid_kept"] and record["to_node"] == 2 and record["total_s"] == pytest.approx(1.2)
     assert (record["held_bytes"], record["parked_bytes"]) == (7, 3)
     phases = record["phases"]
-    assert (phases["park"], phases["unpark"]) == (0.1, 0.05)
-    assert phases["dump"] == pytest.approx(0.6 - 0.2 - 0.1)  # after every rank paused
+    assert (phases["stop"], phases["park"], phases["unpark"]) == (0.15, 0.1, 0.05)
+    assert phases["dump"] == pytest.approx(0.6 - 0.2)  # after every rank paused
     assert phases["rejoin"] == pytest.approx(1.2 - 0.9 - 0.05)
+    # the downtime counts from the pause boundary of the rank that took longest to stop,
+    # and its phases add up to it
+    assert record["downtime_s"] == pytest.approx(0.15 + 1.2 - 0.2)
+    assert sum(phases[k] for k in DOWNTIME_PHASES) == pytest.approx(record["downtime_s"])
 
 
 @pytest.mark.parametrize("machines", [("m1", "m1"), ("m1", "m2"), ("", "")])

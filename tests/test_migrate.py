@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from xmig.coord.migration import PHASES
+from xmig.coord.migration import DOWNTIME_PHASES, PHASES
 from xmig.migrate import criu_status
 from xmig.paths import parking_files
 
@@ -50,11 +50,15 @@ def check_migrated(summary, rank, source, target, world, steps=STEPS, parked=Tru
         assert record["room_bytes"] >= record["parked_bytes"] > 0
         assert record["prepare_error"] is None
         assert record["phases"]["park"] > 0 and record["phases"]["unpark"] > 0
+        # it parked at the pause, before it reported itself paused
+        assert record["phases"]["stop"] >= record["phases"]["park"]
     else:  # no room: it moved with its tensors, and said why
         assert record["room_bytes"] == record["parked_bytes"] == 0
         assert "does not exist" in record["prepare_error"]
     assert parking_files(summary["job_id"]) == []  # none is left
     assert 0 < record["downtime_s"] <= record["total_s"] < 60
+    downtime = sum(record["phases"][k] for k in DOWNTIME_PHASES)
+    assert downtime == pytest.approx(record["downtime_s"], abs=1e-3)
     assert record["image_bytes"] > 0
     assert len(summary["final_params_sha256"]) == 64
     assert summary["world_size"] == world

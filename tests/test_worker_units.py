@@ -342,9 +342,10 @@ def _migration(objects=None, job_id="j"):
     sent = []
     orders, _, _ = _orders(rank=0)
     ctx = SimpleNamespace(send=sent.append, orders=orders, rank=0, device=torch.device("cpu"),
-                          env=SimpleNamespace(job_id=job_id),
-                          groups=SimpleNamespace(proxies=lambda: []),
-                          registry=SimpleNamespace(objects=objects or {}))  # fmt: skip
+                          env=SimpleNamespace(job_id=job_id, recovery_timeout=10.0),
+                          groups=SimpleNamespace(proxies=lambda: [], all=lambda: []),
+                          registry=SimpleNamespace(objects=objects or {}), backend="gloo",
+                          phase=SimpleNamespace(move=lambda _phase: None))  # fmt: skip
     return Migration(ctx), sent, orders
 
 
@@ -382,6 +383,33 @@ def test_a_rank_with_nothing_to_park_moves_without():
     reply = _prepared(sent)
     assert not reply.ok and "nothing to park" in reply.error
     assert migration._take_parking(2) is None
+
+
+def test_the_moving_rank_parks_as_it_pauses_and_takes_its_tensors_back_if_not_moved():
+    model = torch.nn.Linear(256, 256)
+    weight = model.weight.detach().clone()
+    migration, sent, orders = _migration({"model": model}, job_id=f"t{os.getpid()}")
+    migration.on_prepare(protocol.Prepare(generation=2, rank=0))
+    migration.at_boundary(3)
+    _prepared(sent)
+    # a pause at step 4 superseded by a later one: parked at 4, back for the steps between
+    migration.on_pause(protocol.Pause(generation=2, step=4))
+    orders.boundary.hand(Continue(2))
+    migration.at_boundary(4)
+    paused = sent[1]
+    assert isinstance(paused, protocol.Paused) and paused.step == 4
+    assert paused.stop_s >= paused.park_s > 0  # parked before it said it had stopped
+    assert torch.equal(model.weight.detach(), weight)
+    parking = migration._parking
+    assert parking is not None and parking.path.exists()  # the room stays for the next pause
+    # paused at step 6, then resumed without being moved
+    migration.on_pause(protocol.Pause(generation=2, step=6))
+    orders.boundary.hand(protocol.Resume(generation=2))
+    migration.at_boundary(6)
+    assert isinstance(sent[2], protocol.Paused) and sent[2].park_s > 0
+    assert isinstance(sent[3], protocol.Resumed)
+    assert torch.equal(model.weight.detach(), weight)
+    assert migration._parking is None and not parking.path.exists()
 
 
 def test_a_pause_at_a_step_already_begun_is_refused():

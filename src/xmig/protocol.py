@@ -232,15 +232,13 @@ class CommError(Message):
 class ReadyForDump(Message):
     """The moving rank is ready to be checkpointed. ``gpu_bytes``: what its GPU holds now;
     ``held_bytes``: what it held before it parked ``parked_bytes`` of its tensors in
-    ``host_files`` (``[path, size]`` each: files a restore elsewhere needs beside the images),
-    which took ``park_s``."""
+    ``host_files`` (``[path, size]`` each: files a restore elsewhere needs beside the images)."""
 
     gpu: str | None
     gpu_bytes: int
     t: float
     held_bytes: int = 0
     parked_bytes: int = 0
-    park_s: float = 0.0
     host_files: list[Any] = field(default_factory=list)
 
 
@@ -359,10 +357,15 @@ class Prepared(Message):
 @message("paused", W, C, forward=True)
 @wire
 class Paused(Message):
+    """The rank stopped at the start of ``step``, ``stop_s`` ago (its communicator aborted;
+    the rank that moves has parked its tensors meanwhile, in ``park_s``)."""
+
     generation: int
     step: int
     rank: int = -1
     t: float = 0.0
+    stop_s: float = 0.0
+    park_s: float = 0.0
 
 
 @message("pause_refused", W, C, forward=True)
@@ -572,7 +575,6 @@ class Dumped(Message):
     serve: list[Any] | None = None  # where the target agent fetches the images
     held_bytes: int = 0  # the worker's ReadyForDump's
     parked_bytes: int = 0
-    park_s: float = 0.0
     host_files: list[Any] = field(default_factory=list)
 
 

@@ -496,7 +496,6 @@ class Agent:
             interface=done.interface, host_files=host_files,
             held_bytes=ready.held_bytes if ready is not None else 0,
             parked_bytes=ready.parked_bytes if ready is not None else 0,
-            park_s=ready.park_s if ready is not None else 0.0,
             serve=self._serve_images(order.images, host_files) if order.serve else None,
         )  # fmt: skip
         self._post(DumpFinished(result))

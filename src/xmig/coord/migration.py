@@ -32,8 +32,12 @@ from xmig.protocol import (
     WorkerDone,
 )
 
-PHASES = ("prepare", "quiesce", "park", "gpu_checkpoint", "dump", "transfer", "restore",
+# the downtime is the sum of those from ``stop`` on; ``park`` is a part of ``stop`` (the moving
+# rank parks while the communicators are aborted), shown on its own
+PHASES = ("prepare", "quiesce", "stop", "park", "gpu_checkpoint", "dump", "transfer", "restore",
           "gpu_restore", "unpark", "rejoin")  # fmt: skip
+DOWNTIME_PHASES = ("stop", "gpu_checkpoint", "dump", "transfer", "restore", "gpu_restore",
+                   "unpark", "rejoin")  # fmt: skip
 
 
 def shared_images() -> bool:
@@ -131,6 +135,7 @@ class Migration:
     prepare_error: str | None = None  # why it made none
     held_bytes: int = 0  # GPU memory it held when it paused, before parking
     parked_bytes: int = 0  # what it parked outside the process
+    stop_s: float = 0.0  # the longest any rank took from its pause boundary to its report
     park_s: float = 0.0
     unpark_s: float = 0.0
 
@@ -190,12 +195,16 @@ class Migration:
         if isinstance(event, PauseRefused) and phase is MigrationPhase.PAUSING:
             self.step = max(self.step, event.step + 1)
             self.paused.clear()
+            self.stop_s = self.park_s = 0.0
             return [Note("migration", {"generation": self.generation, "phase": "repause",
                                        "step": self.step}),
                     ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
         if isinstance(event, Paused) and phase is MigrationPhase.PAUSING:
             if event.step == self.step:
                 self.paused[event.rank] = event.step
+                self.stop_s = max(self.stop_s, event.stop_s)
+                if event.rank == self.rank:
+                    self.park_s = event.park_s
             if len(self.paused) < self.world_size:
                 return []
             # the moving worker reads where to reconnect from the rejoin file once it runs on
@@ -211,7 +220,6 @@ class Migration:
             self.gpu_checkpoint_s, self.gpu = event.gpu_checkpoint_s, event.gpu
             self.gpu_bytes = event.gpu_bytes
             self.held_bytes, self.parked_bytes = event.held_bytes, event.parked_bytes
-            self.park_s = event.park_s
             self.gpu_times.update(event.gpu_times)
             if event.interface:
                 self.interface = str(event.interface["name"])
@@ -258,9 +266,10 @@ class Migration:
         phases = {
             "prepare": pausing - self.started,  # the job still trains
             "quiesce": quiesced - pausing,
+            "stop": self.stop_s,  # the end of quiesce: trained no more, not yet reported
             "park": self.park_s,
             "gpu_checkpoint": self.gpu_checkpoint_s,
-            "dump": dumped - quiesced - self.park_s - self.gpu_checkpoint_s,
+            "dump": dumped - quiesced - self.gpu_checkpoint_s,
             "transfer": self.transfer_s,  # 0 with a shared directory
             "restore": restored - dumped - self.gpu_restore_s - self.transfer_s,
             "gpu_restore": self.gpu_restore_s,
@@ -291,7 +300,7 @@ class Migration:
             "room_bytes": self.room_bytes,
             "prepare_error": self.prepare_error,
             "gpu_calls_s": {k: round(v, 4) for k, v in self.gpu_times.items()},
-            "downtime_s": round(end - quiesced, 4),
+            "downtime_s": round(self.stop_s + end - quiesced, 4),
             "total_s": round(end - self.started, 4),
         }
 

@@ -34,6 +34,28 @@ class Continue:
     generation: int
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A moving rank made ready for its checkpoint: what it parked and what its GPU holds."""
+
+    parking: Parking | None
+    parked: Parked | None
+    gpu: str | None
+    gpu_bytes: int  # what the GPU holds now, for the driver's checkpoint
+    held: int  # what it held before parking
+
+    @property
+    def park_s(self) -> float:
+        return self.parked.copy_s + self.parked.unregister_s if self.parked else 0.0
+
+    def message(self) -> protocol.ReadyForDump:
+        files = [[str(self.parking.path), self.parking.size]] if self.parking else []
+        return protocol.ReadyForDump(
+            gpu=self.gpu, gpu_bytes=self.gpu_bytes, held_bytes=self.held, t=time.time(),
+            host_files=files, parked_bytes=self.parked.parked_bytes if self.parked else 0,
+        )  # fmt: skip
+
+
 class Migration:
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
@@ -44,6 +66,7 @@ class Migration:
         self._prepare_order: protocol.Prepare | None = None  # for the next boundary
         self._parking: Parking | None = None  # made for the migration of ``_parking_for``
         self._parking_for: int | None = None
+        self._ready: Ready | None = None  # this rank readied for its move at the pause
 
     def on_prepare(self, order: protocol.Prepare) -> None:
         """From the order consumer: if this rank is the one to move, make room for its
@@ -138,20 +161,36 @@ class Migration:
         coordinator resumes the job on a new generation's communicator."""
         ctx = self._ctx
         generation = pause.generation
+        stopped = time.monotonic()
         ctx.phase.move(WorkerPhase.PAUSED)
+        aborts = []
         if ctx.backend == "nccl":
             # the communicator is replaced on resume; aborting it now frees the peers' mappings
-            # of each other's GPU memory, which a GPU checkpoint of a moving rank needs
-            for proxy in ctx.groups.proxies():
-                proxy.abort_communicator(wait=True)
-        ctx.send(protocol.Paused(generation=generation, step=step, t=time.time()))
+            # of each other's GPU memory, which a GPU checkpoint of a moving rank needs. It
+            # takes ~0.5 s: on threads, while the rank that moves parks its tensors
+            aborts = [threading.Thread(target=proxy.abort_communicator, kwargs={"wait": True},
+                                       name="xmig-abort", daemon=True)
+                      for proxy in ctx.groups.proxies()]  # fmt: skip
+            for thread in aborts:
+                thread.start()
+        parking = self._take_parking(generation)
+        if parking is not None:  # this rank moves: ready itself now, not once the dump is due
+            self._ready = self._make_ready(parking)
+        for thread in aborts:
+            thread.join()
+        park_s = self._ready.park_s if self._ready is not None else 0.0
+        ctx.send(protocol.Paused(generation=generation, step=step, t=time.time(),
+                                 stop_s=time.monotonic() - stopped, park_s=park_s))  # fmt: skip
         while True:
             order = ctx.orders.boundary.next(generation, ctx.env.recovery_timeout)
             if order is None:
                 ctx.die(f"paused for migration and no order came within "
                         f"{ctx.env.recovery_timeout:.0f} s")  # fmt: skip
             if isinstance(order, Continue):
-                break
+                # the tensors come back for the steps to the later pause; the room is kept
+                self._take_back(keep_for=generation)
+                ctx.phase.move(WorkerPhase.TRAINING)
+                return
             if isinstance(order, protocol.Dump):
                 self._be_moved(order)
             elif isinstance(order, protocol.Resume):
@@ -161,7 +200,8 @@ class Migration:
                         group.proxy.communicator.size))  # fmt: skip
                 ctx.send(protocol.Resumed(generation=generation, t=time.time()))
                 break
-        self._drop_parking()  # made for a move that did not happen
+        self._take_back()  # readied for a move that did not happen
+        self._drop_parking()
         ctx.phase.move(WorkerPhase.TRAINING)
 
     def _be_moved(self, order: protocol.Dump) -> None:
@@ -173,44 +213,11 @@ class Migration:
         # before the agent hears of it: its dump may come at once. The restorer becomes the
         # parent for a moment, then exits
         outlive_parent()
-        gpu, gpu_bytes, held = None, 0, 0
-        if ctx.backend == "nccl":
-            torch.cuda.synchronize(ctx.device)
-            for proxy in ctx.groups.proxies():  # memory kept for the log's next copies
-                proxy.drop_spare_buffers()
-            # cached free blocks would be checkpointed, copied and restored for nothing
-            torch.cuda.empty_cache()
-            gpu = str(torch.cuda.get_device_properties(ctx.device).uuid)
-            free, total = torch.cuda.mem_get_info(ctx.device)
-            held = total - free  # this GPU's use: this process's, one process per GPU
-        parking = self._take_parking(order.generation)
-        parked = self._park(parking) if parking is not None else None
-        if parked is None and parking is not None:
-            parking.close()
-            parking = None
-        if ctx.backend == "nccl":
-            free, total = torch.cuda.mem_get_info(ctx.device)
-            gpu_bytes = total - free
-            # what is left for the driver's checkpoint: tensors nothing registered holds,
-            # blocks kept by them, and the CUDA context itself
-            logger.info("rank %d: the GPU holds %.2f GB for the driver's checkpoint: %.2f GB "
-                        "in live tensors (the largest: %s), %.2f GB reserved by PyTorch",
-                        ctx.rank, gpu_bytes / 1e9, torch.cuda.memory_allocated(ctx.device) / 1e9,
-                        _largest_blocks(ctx.device),
-                        torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
-        before = anonymous_bytes()
-        trim_host_memory()
-        after = anonymous_bytes()
-        if before is not None and after is not None:
-            logger.info("rank %d: %.2f GB of anonymous host memory for CRIU (%.2f GB before "
-                        "trimming)", ctx.rank, after / 1e9, before / 1e9)  # fmt: skip
-        files = [[str(parking.path), parking.size]] if parking is not None else []
-        ready = protocol.ReadyForDump(
-            gpu=gpu, gpu_bytes=gpu_bytes, held_bytes=held, t=time.time(), host_files=files,
-            parked_bytes=parked.parked_bytes if parked else 0,
-            park_s=parked.copy_s + parked.unregister_s if parked else 0.0,
-        )  # fmt: skip
-        ctx.link.ask(ready, timeout=10.0)
+        ready, self._ready = self._ready, None
+        if ready is None:  # it had no room to park in: nothing was readied at the pause
+            ready = self._make_ready(None)
+        parking = ready.parking
+        ctx.link.ask(ready.message(), timeout=10.0)
         ctx.link.close()
         deadline = time.monotonic() + ctx.env.recovery_timeout
         while not os.path.exists(order.rejoin_file):  # the process is frozen and moved meanwhile
@@ -243,6 +250,57 @@ class Migration:
         ctx.send(protocol.Rejoined(generation=order.generation, netns=netns, t=time.time(),
                                    unpark_s=unpark_s))  # fmt: skip
         ctx.phase.move(WorkerPhase.PAUSED)
+
+    def _make_ready(self, parking: Parking | None) -> Ready:
+        """Make this process ready for its checkpoint: its tensors parked (where there is
+        room), what the driver's checkpoint and CRIU would carry for nothing given back."""
+        ctx = self._ctx
+        gpu, gpu_bytes, held = None, 0, 0
+        if ctx.backend == "nccl":
+            torch.cuda.synchronize(ctx.device)
+            for proxy in ctx.groups.proxies():  # memory kept for the log's next copies
+                proxy.drop_spare_buffers()
+            # cached free blocks would be checkpointed, copied and restored for nothing
+            torch.cuda.empty_cache()
+            gpu = str(torch.cuda.get_device_properties(ctx.device).uuid)
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            held = total - free  # this GPU's use: this process's, one process per GPU
+        parked = self._park(parking) if parking is not None else None
+        if parked is None and parking is not None:
+            parking.close()
+            parking = None
+        if ctx.backend == "nccl":
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            gpu_bytes = total - free
+            # what is left for the driver's checkpoint: tensors nothing registered holds,
+            # blocks kept by them, and the CUDA context itself
+            logger.info("rank %d: the GPU holds %.2f GB for the driver's checkpoint: %.2f GB "
+                        "in live tensors (the largest: %s), %.2f GB reserved by PyTorch",
+                        ctx.rank, gpu_bytes / 1e9, torch.cuda.memory_allocated(ctx.device) / 1e9,
+                        _largest_blocks(ctx.device),
+                        torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
+        before = anonymous_bytes()
+        trim_host_memory()
+        after = anonymous_bytes()
+        if before is not None and after is not None:
+            logger.info("rank %d: %.2f GB of anonymous host memory for CRIU (%.2f GB before "
+                        "trimming)", ctx.rank, after / 1e9, before / 1e9)  # fmt: skip
+        return Ready(parking=parking, parked=parked, gpu=gpu, gpu_bytes=gpu_bytes, held=held)
+
+    def _take_back(self, keep_for: int | None = None) -> None:
+        """The move this rank was readied for did not happen (or comes at a later pause):
+        its parked tensors come back; the room is kept for ``keep_for``'s move, if given."""
+        ready, self._ready = self._ready, None
+        if ready is None or ready.parking is None:
+            return
+        took = ready.parking.unpark()
+        logger.info("rank %d: not moved here; its parked tensors are back in %.3f s",
+                    self._ctx.rank, took)  # fmt: skip
+        if keep_for is None:
+            ready.parking.close()
+            return
+        with self._lock:
+            self._parking, self._parking_for = ready.parking, keep_for
 
     def _park(self, parking: Parking) -> Parked | None:
         """The registered tensors into the parking file (None: they stay, and the move
