@@ -41,17 +41,17 @@ class Ready:
     parking: Parking | None
     parked: Parked | None
     gpu: str | None
-    gpu_bytes: int  # what the GPU holds now, for the driver's checkpoint
-    held: int  # what it held before parking
+    held: int  # what it held at the pause, before parking
 
     @property
     def park_s(self) -> float:
         return self.parked.copy_s + self.parked.unregister_s if self.parked else 0.0
 
-    def message(self) -> protocol.ReadyForDump:
+    def message(self, gpu_bytes: int) -> protocol.ReadyForDump:
+        """The report to the agent; ``gpu_bytes``: what the GPU holds now."""
         files = [[str(self.parking.path), self.parking.size]] if self.parking else []
         return protocol.ReadyForDump(
-            gpu=self.gpu, gpu_bytes=self.gpu_bytes, held_bytes=self.held, t=time.time(),
+            gpu=self.gpu, gpu_bytes=gpu_bytes, held_bytes=self.held, t=time.time(),
             host_files=files, parked_bytes=self.parked.parked_bytes if self.parked else 0,
         )  # fmt: skip
 
@@ -217,7 +217,7 @@ class Migration:
         if ready is None:  # it had no room to park in: nothing was readied at the pause
             ready = self._make_ready(None)
         parking = ready.parking
-        ctx.link.ask(ready.message(), timeout=10.0)
+        ctx.link.ask(ready.message(self._left_on_gpu()), timeout=10.0)
         ctx.link.close()
         deadline = time.monotonic() + ctx.env.recovery_timeout
         while not os.path.exists(order.rejoin_file):  # the process is frozen and moved meanwhile
@@ -255,7 +255,7 @@ class Migration:
         """Make this process ready for its checkpoint: its tensors parked (where there is
         room), what the driver's checkpoint and CRIU would carry for nothing given back."""
         ctx = self._ctx
-        gpu, gpu_bytes, held = None, 0, 0
+        gpu, held = None, 0
         if ctx.backend == "nccl":
             torch.cuda.synchronize(ctx.device)
             for proxy in ctx.groups.proxies():  # memory kept for the log's next copies
@@ -269,23 +269,28 @@ class Migration:
         if parked is None and parking is not None:
             parking.close()
             parking = None
-        if ctx.backend == "nccl":
-            free, total = torch.cuda.mem_get_info(ctx.device)
-            gpu_bytes = total - free
-            # what is left for the driver's checkpoint: tensors nothing registered holds,
-            # blocks kept by them, and the CUDA context itself
-            logger.info("rank %d: the GPU holds %.2f GB for the driver's checkpoint: %.2f GB "
-                        "in live tensors (the largest: %s), %.2f GB reserved by PyTorch",
-                        ctx.rank, gpu_bytes / 1e9, torch.cuda.memory_allocated(ctx.device) / 1e9,
-                        _largest_blocks(ctx.device),
-                        torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
         before = anonymous_bytes()
         trim_host_memory()
         after = anonymous_bytes()
         if before is not None and after is not None:
             logger.info("rank %d: %.2f GB of anonymous host memory for CRIU (%.2f GB before "
                         "trimming)", ctx.rank, after / 1e9, before / 1e9)  # fmt: skip
-        return Ready(parking=parking, parked=parked, gpu=gpu, gpu_bytes=gpu_bytes, held=held)
+        return Ready(parking=parking, parked=parked, gpu=gpu, held=held)
+
+    def _left_on_gpu(self) -> int:
+        """What the GPU holds for the driver's checkpoint (the communicators aborted and the
+        tensors parked by now): tensors nothing registered holds, blocks kept by them, and
+        the CUDA context itself; said in the log, to find what else could be parked."""
+        ctx = self._ctx
+        if ctx.backend != "nccl":
+            return 0
+        free, total = torch.cuda.mem_get_info(ctx.device)
+        logger.info("rank %d: the GPU holds %.2f GB for the driver's checkpoint: %.2f GB "
+                    "in live tensors (the largest: %s), %.2f GB reserved by PyTorch",
+                    ctx.rank, (total - free) / 1e9, torch.cuda.memory_allocated(ctx.device) / 1e9,
+                    _largest_blocks(ctx.device),
+                    torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
+        return total - free
 
     def _take_back(self, keep_for: int | None = None) -> None:
         """The move this rank was readied for did not happen (or comes at a later pause):
