@@ -304,7 +304,9 @@ def test_a_restarted_coordinator_takes_the_job_up_and_recovers_a_later_fault(
     summary = result.summary
     assert summary["final_params_sha256"] == expected, "not bit-identical"
     assert "the coordinator died (exit -9); starting it again (1 of 3)" in result.output
-    (restart,) = summary["coordinator_restarts"]
+    restarts = summary["coordinator_restarts"]
+    assert len(restarts) == 1, (restarts, result.output[-4000:])
+    (restart,) = restarts
     assert restart["state_before"] == "running" and restart["busy"] is None
     assert restart["missing_nodes"] == [] and summary["coordinator_pid"] != first.pid
     assert summary["worker_pids"]["0"] == [summary["worker_pids"]["0"][0]]  # same process

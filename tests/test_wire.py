@@ -320,3 +320,29 @@ def test_a_peer_that_reads_nothing_is_cut_off_within_the_bound():
     finally:
         left.close()
         right.close()
+
+
+def test_a_call_on_a_connection_its_peer_closed_fails_at_once():
+    """A launcher's watcher asked a closed client for the coordinator's status, and got its
+    answer only from the timeout: it took the silence for a hung coordinator and killed the
+    one just started in its place."""
+    peers = []
+
+    def handle(peer, msg):
+        peers.append(peer)
+        return {}
+
+    server = Server("127.0.0.1", 0, "secret", handle).start()
+    closed = threading.Event()
+    client = Client(server.address, "secret", on_close=closed.set)
+    try:
+        client.call("hello")
+        peers[0].conn.close()  # the coordinator's end goes (it died)
+        assert closed.wait(5)
+        started = time.monotonic()
+        with pytest.raises(WireError, match="closed"):
+            client.call("status", timeout=3.0)
+        assert time.monotonic() - started < 1.0
+    finally:
+        client.close()
+        server.close()

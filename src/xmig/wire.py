@@ -496,6 +496,11 @@ class Client:
         event = threading.Event()
         slot: list[Any] = [event, None]
         with self._lock:
+            if self.conn.closed:
+                # the reader has ended and answers nothing more: waiting would only end in a
+                # timeout, which a caller may take for a silent peer (a launcher for a hung
+                # coordinator, which it then kills)
+                raise WireError(f"connection closed before the request {op!r}")
             self._next_id += 1
             req_id = self._next_id
             self._waiting[req_id] = slot
