@@ -40,7 +40,10 @@ GPU_SIZES = {
     # replay log's copies are ~16 GB of live tensors at a step boundary (18 GB held)
     "gpt700m": ["--preset", "gpt350m", "--n-layer", "48", "--batch-size", "8"],
 }
-STEPS = 5
+STEPS = 10
+# a tiny model's steps take milliseconds: without a pause between them the job ends before
+# the moving rank has made its room and every rank has paused
+CPU_STEP_SLEEP_S = 0.1
 GPU_STEPS = 20  # room for the moving rank to prepare (seconds at 18 GB) before the job ends
 MOVE_AT = 3
 RUN_TIMEOUT_S = 300
@@ -98,13 +101,14 @@ def main() -> int:
               "--simulate-hosts", "--hot-spares", "0"]  # fmt: skip
     rows = []
     steps = GPU_STEPS if args.gpu else STEPS
+    script = [] if args.gpu else ["--step-sleep", str(CPU_STEP_SLEEP_S)]
     for name, model in chosen.items():
         slug = name.replace(", ", "-").replace(" ", "")
         try:
-            reference = xmig_summary(work, f"{slug}-reference", steps, layout, [], model=model,
+            reference = xmig_summary(work, f"{slug}-reference", steps, layout, script, model=model,
                                      nproc=1, timeout=args.timeout)  # fmt: skip
             flags = [*layout, "--inject", f"migrate:rank={args.rank}:step={MOVE_AT}"]
-            moved = xmig_summary(work, f"{slug}-moved", steps, flags, [], model=model, nproc=1,
+            moved = xmig_summary(work, f"{slug}-moved", steps, flags, script, model=model, nproc=1,
                                  timeout=args.timeout)  # fmt: skip
         except RuntimeError as exc:  # an overrun: said in the table
             rows.append((name, {"message": str(exc)}, None, False))
