@@ -18,6 +18,7 @@ from xmig import protocol
 from xmig.agent.link import handle_push
 from xmig.ccl import Communicator
 from xmig.faults import FaultSpec
+from xmig.paths import parking_files
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
 from xmig.worker.errors import RecoveryFailed
 from xmig.worker.hooks import OptimizerGate
@@ -410,6 +411,32 @@ def test_the_moving_rank_parks_as_it_pauses_and_takes_its_tensors_back_if_not_mo
     assert isinstance(sent[3], protocol.Resumed)
     assert torch.equal(model.weight.detach(), weight)
     assert migration._parking is None and not parking.path.exists()
+
+
+def test_a_save_while_paused_for_a_move_reads_the_tensors_back_not_emptied_storages():
+    # the coordinator lost mid-migration: the job saves its state while the moving rank,
+    # paused, has its tensors parked
+    model = torch.nn.Linear(256, 256)
+    weight = model.weight.detach().clone()
+    migration, sent, orders = _migration({"model": model}, job_id=f"t{os.getpid()}")
+    migration.on_prepare(protocol.Prepare(generation=2, rank=0))
+    migration.at_boundary(3)
+    _prepared(sent)
+    migration.on_pause(protocol.Pause(generation=2, step=4))
+    loop = threading.Thread(target=migration.at_boundary, args=(4,), daemon=True)
+    loop.start()
+    deadline = time.monotonic() + 10
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(sent[1], protocol.Paused) and sent[1].park_s > 0
+    assert model.weight.untyped_storage().nbytes() == 0  # parked
+    migration.give_back()  # what the order consumer does before the save
+    assert torch.equal(model.weight.detach(), weight)
+    parking_path = next(iter(parking_files(f"t{os.getpid()}")), None)
+    assert parking_path is None  # closed: this move will not happen
+    orders.boundary.hand(protocol.Resume(generation=2))
+    loop.join(10)
+    assert not loop.is_alive() and torch.equal(model.weight.detach(), weight)
 
 
 def test_a_pause_at_a_step_already_begun_is_refused():

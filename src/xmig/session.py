@@ -70,8 +70,13 @@ class Session:
         elif env.resume is not None:  # every rank of a resumed job starts from its shard
             replacement = Replacement(ctx, layout, verifier, checkpoint=Path(env.resume))
         self._replacement = replacement
+
+        def on_save(order: protocol.SaveState) -> None:
+            migration.give_back()  # a rank paused for its move has parked its tensors
+            survivor.on_save(order)
+
         ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause,
-                            on_save=survivor.on_save, on_store=ctx.store_restarted,
+                            on_save=on_save, on_store=ctx.store_restarted,
                             on_prepare=migration.on_prepare)  # fmt: skip
         self._loop = StepLoop(ctx, gate, layout, verifier, survivor, migration, replacement)
         if env.managed:

@@ -67,6 +67,7 @@ class Migration:
         self._parking: Parking | None = None  # made for the migration of ``_parking_for``
         self._parking_for: int | None = None
         self._ready: Ready | None = None  # this rank readied for its move at the pause
+        self._readying = threading.Lock()  # held while tensors are parked or taken back
 
     def on_prepare(self, order: protocol.Prepare) -> None:
         """From the order consumer: if this rank is the one to move, make room for its
@@ -175,10 +176,12 @@ class Migration:
                 thread.start()
         parking = self._take_parking(generation)
         if parking is not None:  # this rank moves: ready itself now, not once the dump is due
-            self._ready = self._make_ready(parking)
+            with self._readying:  # a save that comes meanwhile waits, then takes them back
+                self._ready = self._make_ready(parking)
         for thread in aborts:
             thread.join()
-        park_s = self._ready.park_s if self._ready is not None else 0.0
+        with self._readying:
+            park_s = self._ready.park_s if self._ready is not None else 0.0
         ctx.send(protocol.Paused(generation=generation, step=step, t=time.time(),
                                  stop_s=time.monotonic() - stopped, park_s=park_s))  # fmt: skip
         while True:
@@ -213,8 +216,9 @@ class Migration:
         # before the agent hears of it: its dump may come at once. The restorer becomes the
         # parent for a moment, then exits
         outlive_parent()
-        ready, self._ready = self._ready, None
-        if ready is None:  # it had no room to park in: nothing was readied at the pause
+        with self._readying:
+            ready, self._ready = self._ready, None
+        if ready is None:  # no room to park in (or given back for a save): nothing readied
             ready = self._make_ready(None)
         parking = ready.parking
         ctx.link.ask(ready.message(self._left_on_gpu()), timeout=10.0)
@@ -292,13 +296,20 @@ class Migration:
                     torch.cuda.memory_reserved(ctx.device) / 1e9)  # fmt: skip
         return total - free
 
+    def give_back(self) -> None:
+        """From the order consumer, before this rank's state is saved (the coordinator was
+        lost while the job paused for a move): tensors parked for the move come back first,
+        or the save would read emptied storages."""
+        self._take_back()
+
     def _take_back(self, keep_for: int | None = None) -> None:
         """The move this rank was readied for did not happen (or comes at a later pause):
         its parked tensors come back; the room is kept for ``keep_for``'s move, if given."""
-        ready, self._ready = self._ready, None
-        if ready is None or ready.parking is None:
-            return
-        took = ready.parking.unpark()
+        with self._readying:
+            ready, self._ready = self._ready, None
+            if ready is None or ready.parking is None:
+                return
+            took = ready.parking.unpark()
         logger.info("rank %d: not moved here; its parked tensors are back in %.3f s",
                     self._ctx.rank, took)  # fmt: skip
         if keep_for is None:
