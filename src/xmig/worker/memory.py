@@ -41,11 +41,15 @@ def trim_host_memory() -> None:
             empty_host_cache()
         except RuntimeError as exc:  # trimming is an optimization: it never stops a move
             logger.debug("emptying the pinned host cache failed: %s", exc)
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
     try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim(0)  # glibc: returns free heap pages to the kernel (not in musl)
+        libc().malloc_trim(0)  # glibc: returns free heap pages to the kernel (not in musl)
     except (OSError, AttributeError) as exc:
         logger.debug("malloc_trim is not available: %s", exc)
+
+
+def libc() -> ctypes.CDLL:
+    """The C library (raises OSError where there is none to load)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        raise OSError("no C library found")
+    return ctypes.CDLL(name, use_errno=True)

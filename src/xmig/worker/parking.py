@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import secrets
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from xmig.paths import PARK_PREFIX, huge_pages, park_dir
+from xmig.worker.memory import libc
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +104,11 @@ def expected_bytes(objects: Iterable[Any]) -> int:
 def _advise_huge_pages(host: torch.Tensor) -> None:
     """Ask for huge pages for the file's mapping (heeded on a tmpfs mounted ``huge=advise``;
     ``always`` and ``within_size`` need no asking, ``never`` ignores it)."""
-    name = ctypes.util.find_library("c")
-    if name is None or host.numel() == 0:
+    if host.numel() == 0:
         return
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(name, use_errno=True)
-        libc.madvise(ctypes.c_void_p(host.data_ptr()), ctypes.c_size_t(host.numel()),
-                     MADV_HUGEPAGE)  # fmt: skip
+        libc().madvise(ctypes.c_void_p(host.data_ptr()), ctypes.c_size_t(host.numel()),
+                       MADV_HUGEPAGE)  # fmt: skip
 
 
 def _aligned(size: int) -> int:
