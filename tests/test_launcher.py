@@ -230,3 +230,31 @@ def test_job_files_of_another_machine_are_neither_judged_nor_removed(jobs):
               host=socket.gethostname(), job_id="run-7")  # fmt: skip
     assert find_job("run-7").host == socket.gethostname()
     assert find_job(None).job_id == "run-7"  # one job, however many hosts' files
+
+
+def test_a_leader_whose_connection_ended_is_reaped_before_its_standby_is_replaced():
+    """(HA control plane.) A SIGKILLed leader's socket closes before its exit can be reaped:
+    the launcher waits for the former leader, so that it starts a new standby in its place.
+    Polled at once, it kept one coordinator fewer, and the next leader's death found no
+    standby (the etcd job test's failure under load)."""
+    from xmig.jobspec import JobSpec
+    from xmig.launch.launcher import Launcher
+
+    spec = JobSpec(job_id="j", script="train.py", args=(), cwd="/", nnodes=1,
+                   nproc_per_node=1, control_plane="etcd://127.0.0.1:1")  # fmt: skip
+    launcher = Launcher(spec, None, token="t" * 64)
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    standby = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    started = []
+    launcher._start_candidate = lambda: started.append(True)
+    launcher.candidates = [dying, standby]
+    launcher.coordinator = dying
+    try:
+        assert dying.poll() is None  # as the launcher finds it when its connection ends
+        launcher._replace_dead_candidates("1 of 3")
+        assert started == [True]
+        assert launcher.candidates == [standby]
+    finally:
+        for proc in (dying, standby):
+            proc.kill()
+            proc.wait()

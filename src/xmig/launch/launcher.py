@@ -52,6 +52,7 @@ COORDINATOR_START_TIMEOUT_S = 120.0
 # (HA control plane) a leader etcd names that does not take the connection within this long
 # has died too: etcd is asked again for its successor
 LEADER_CONNECT_S = 3.0
+LEADER_EXIT_S = 5.0  # how long a leader whose connection ended is given to be reaped
 COORDINATOR_PING_S = 2.0  # how often a launcher asks the coordinator it started how it is
 # a coordinator that has not answered for this long (at least; five heartbeat timeouts) is
 # hung (its decision thread stuck, its process stopped): it is killed and started again
@@ -592,17 +593,7 @@ class Launcher:
     def _follow_leader(self, count: str) -> bool:
         """(HA control plane.) The leader went: a standby takes over; connect to it, and
         start a new standby in place of a coordinator that died."""
-        for proc in list(self.candidates):
-            if proc.poll() is not None:
-                self.candidates.remove(proc)
-                print(f"xmig: coordinator {proc.pid} died (exit {proc.returncode}); a standby "
-                      f"takes over; starting a new standby ({count})", file=sys.stderr,
-                      flush=True)  # fmt: skip
-                try:
-                    self._start_candidate()
-                except LaunchError as exc:
-                    print(f"xmig: no new standby coordinator: {exc}", file=sys.stderr,
-                          flush=True)  # fmt: skip
+        self._replace_dead_candidates(count)
         # the leader's lease runs out first, then a standby takes over; one that dies before
         # this launcher is connected to it is passed over for its successor; a job that ended
         # meanwhile left its outcome in etcd
@@ -626,6 +617,30 @@ class Launcher:
                     print(f"xmig: no coordinator leads the job any more: {exc}",
                           file=sys.stderr, flush=True)  # fmt: skip
                     return False
+
+    def _replace_dead_candidates(self, count: str) -> None:
+        """(HA control plane.) Start a new standby for each coordinator of this launcher's
+        that died. The leader whose connection just ended is waited for first: its socket
+        closes before its exit can be reaped, and a launcher that polled too soon kept one
+        coordinator fewer, so the next leader's death had no standby left to take over."""
+        former = self.coordinator
+        if former is not None and former in self.candidates:
+            try:
+                former.wait(timeout=LEADER_EXIT_S)
+            except subprocess.TimeoutExpired:  # its connection is gone: it cannot serve
+                stop_process(former, grace=1.0)
+        for proc in list(self.candidates):
+            if proc.poll() is None:
+                continue
+            self.candidates.remove(proc)
+            print(f"xmig: coordinator {proc.pid} died (exit {proc.returncode}); a standby "
+                  f"takes over; starting a new standby ({count})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            try:
+                self._start_candidate()
+            except LaunchError as exc:
+                print(f"xmig: no new standby coordinator: {exc}", file=sys.stderr,
+                      flush=True)  # fmt: skip
 
     def _say_started(self, address: str) -> None:
         spares = f" + {self.spec.spare_nodes} spare" if self.spec.spare_nodes else ""
