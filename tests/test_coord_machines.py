@@ -13,7 +13,12 @@ from xmig.coord.machine import (
     Job,
     JobState,
 )
-from xmig.coord.migration import DOWNTIME_PHASES, MIGRATION_TRANSITIONS, MigrationPhase
+from xmig.coord.migration import (
+    DOWNTIME_PHASES,
+    MIGRATION_TRANSITIONS,
+    MigrationPhase,
+    describe_migration,
+)
 from xmig.coord.orders import (
     AgentLost,
     Finish,
@@ -687,6 +692,28 @@ def test_the_whole_migration_ends_running_with_its_record():
     # and its phases add up to it
     assert record["downtime_s"] == pytest.approx(0.15 + 1.2 - 0.2)
     assert sum(phases[k] for k in DOWNTIME_PHASES) == pytest.approx(record["downtime_s"])
+
+
+def test_a_moved_container_keeps_its_pid_inside_and_its_host_pid_is_followed():
+    """A container's init is PID 1 of its namespace before and after the move; its PID on
+    the host changes, and the job follows it (an order to end the rank names the new one)."""
+    job, _ = migrating_job()
+    for rank in (0, 1):
+        job.on(Paused(generation=1, step=4, rank=rank), T0)
+    orders = job.on(Dumped(rank=1, node=1, generation=1, ok=True, container="xmig-j-n1-r1a0-1",
+                           own_pid=1), T0)  # fmt: skip
+    ((_, restore),) = sent(orders, Restore)
+    assert restore.container == "xmig-j-n1-r1a0-1"
+    job.on(Restored(rank=1, node=2, generation=1, ok=True, pid=777, own_pid=1), T0 + 0.5)
+    assert job.members[1].pid == 777 and job.worker_pids[1] == [201, 777]
+    job.on(Rejoined(generation=1, netns=7, rank=1), T0 + 0.6)
+    for rank in (0, 1):
+        job.on(Resumed(generation=1, rank=rank), T0 + 0.7)
+    (record,) = job.migrations
+    assert record["pid_kept"] and record["container"] == "xmig-j-n1-r1a0-1"
+    assert (record["pid"], record["restored_pid"], record["pid_in_container"]) == (201, 777, 1)
+    assert "same PID 1 in container xmig-j-n1-r1a0-1, host PID 201 -> 777" in \
+        describe_migration(record)  # fmt: skip
 
 
 @pytest.mark.parametrize("machines", [("m1", "m1"), ("m1", "m2"), ("", "")])

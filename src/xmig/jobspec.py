@@ -102,6 +102,8 @@ class JobSpec:
     # snapshot, and how many coordinators campaign for the lead (one leads, the others wait)
     control_plane: str | None = None
     coordinators: int = 1
+    # container mode: every worker (and hot spare) in a runc container of this root filesystem
+    container: str | None = None
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field

@@ -484,6 +484,7 @@ class WorkerStarted(Message):
     attempt: int
     t: float
     from_spare: bool
+    container: str | None = None  # container mode: the ID of the container it runs in
 
 
 @message("worker_joined", A, C)
@@ -576,6 +577,8 @@ class Dumped(Message):
     held_bytes: int = 0  # the worker's ReadyForDump's
     parked_bytes: int = 0
     host_files: list[Any] = field(default_factory=list)
+    container: str | None = None  # container mode: the rank's container, checkpointed whole
+    own_pid: int | None = None  # its PID as it saw it (in its container: its namespace's)
 
 
 @message("restored", A, C)
@@ -592,6 +595,7 @@ class Restored(Message):
     transfer_s: float = 0.0
     gpu_times: dict[str, float] = field(default_factory=dict)
     to_gpu: str | None = None
+    own_pid: int | None = None  # its PID as it sees it now (in its container: its namespace's)
 
 
 # ---- launcher / CLI → coordinator ----------------------------------------------------------
@@ -667,6 +671,7 @@ class Restore(Message):
     gpus_before: list[str]
     interface: dict[str, Any] | None
     host_files: list[Any] = field(default_factory=list)  # [path, size]: fetched if missing
+    container: str | None = None  # restore this container (its ID kept), not a bare process
 
 
 @message("stop_workers", C, A)

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xmig.agent.containers import NodeContainers
 from xmig.agent.spares import Spare, SparePool
+from xmig.container import runc
+from xmig.container.process import ContainerProcess
 from xmig.jobenv import COORD_ADDR, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN, WorkerEnv
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.migrate import criu, cuda, netif, stream
@@ -103,7 +106,7 @@ class Worker:
 
     rank: int
     local_rank: int
-    proc: subprocess.Popen | AdoptedProcess
+    proc: subprocess.Popen | AdoptedProcess | ContainerProcess
     pidfd: int
     attempt: int
     state: str = "starting"  # starting, running, done, faulted, stopping, exited
@@ -121,6 +124,17 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def container(self) -> str | None:
+        """The ID of the container it runs in (container mode)."""
+        return self.proc.container_id if isinstance(self.proc, ContainerProcess) else None
+
+    @property
+    def own_pid(self) -> int | None:
+        """Its PID as it sees it (``getpid()``): in a container, its PID in the container's
+        namespace (1, its init), else the same as ``pid``."""
+        return self.proc.inner_pid if isinstance(self.proc, ContainerProcess) else self.pid
 
 
 class AdoptedProcess:
@@ -151,6 +165,7 @@ class AdoptedProcess:
 
 
 _PR_SET_CHILD_SUBREAPER = 36
+NO_PID = -1  # a rank whose process could not be started
 
 
 # ---- the agent's own events (besides the coordinator's orders) -----------------------------
@@ -277,6 +292,7 @@ class Agent:
         # wants none until the job's spec says how many (then none again once stopping)
         self.spares = SparePool(self._selector, self._base_environ)
         self.mover = ProcessMover()
+        self.containers: NodeContainers | None = None  # container mode: this node's
         self.server: Server | None = None
         self.coord: Client | None = None
         # the coordinator is lost: the ranks still saving their state, and until when
@@ -323,7 +339,7 @@ class Agent:
         now, wall = time.monotonic(), time.time()
         with self._lock:
             worker = self.workers.get(rank)
-            if worker is None or worker.pid != int(peer.info.get("pid", -1)):
+            if worker is None or worker.own_pid != int(peer.info.get("pid", -1)):
                 raise ValueError(f"no worker with rank {rank} and that pid on this node")
             worker.last_beat, worker.last_beat_wall = now, wall
             if msg.FORWARD:  # a report for the coordinator: who sent it, its connection says
@@ -347,8 +363,13 @@ class Agent:
     def _worker_injecting(self, worker: Worker, peer: Peer, msg: Injecting, wall: float) -> None:
         worker.announced = {"fault": msg.fault, "t": msg.t, "step": msg.step}
         self.fired.setdefault(worker.rank, []).append(msg.fault)
-        if msg.fault.get("kind") == "node":
+        kind = msg.fault.get("kind")
+        if kind == "node":
             self._post(NodeLoss(msg.fault, msg.t))
+        elif kind in ("kill", "hang") and worker.container is not None:
+            # a container's init cannot signal itself: this agent does it, from outside,
+            # before the rank hears back (it waits for it where its fault is)
+            kill_group(worker.pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
     def _worker_trouble(self, worker: Worker, peer: Peer, msg: CommError | WorkerError,
                         wall: float) -> None:  # fmt: skip
@@ -416,6 +437,19 @@ class Agent:
             return JOIN_REFUSED_EXIT_CODE
         self.heartbeat_timeout = self.job.heartbeat_timeout
         self.spares.wanted = self.job.hot_spares
+        if self.job.container is not None:
+            self.containers = NodeContainers(self.job, self.node_rank)
+            self.spares.in_container = self.containers.start_spare
+        try:
+            return self._serve()
+        finally:
+            if self.containers is not None:
+                left = self.containers.remove_all()
+                if left:
+                    log.info("agent %d removed containers %s", self.node_rank, left)
+
+    def _serve(self) -> int:
+        """The main loop: the workers started, then events until one ends the agent."""
         threading.Thread(target=self._keep_alive, name="xmig-alive", daemon=True).start()
         threading.Thread(target=self._report_criu, name="xmig-criu", daemon=True).start()
         nproc = self.job.nproc_per_node
@@ -482,7 +516,8 @@ class Agent:
             # GPU memory first, then CRIU; its own interface is for the target node to take
             done = self.mover.checkpoint(worker.pid, order.images, worker.gpu,
                                          gpu_bytes=worker.gpu_bytes,
-                                         interface=netif.rank_interface(rank))  # fmt: skip
+                                         interface=netif.rank_interface(rank),
+                                         container=worker.container)  # fmt: skip
         except MigrationError as exc:
             self._post(DumpFinished(dataclasses.replace(failed, error=str(exc))))
             return
@@ -493,7 +528,8 @@ class Agent:
             failed, ok=True, dump_s=done.dump_s, image_bytes=done.image_bytes, fds=fds,
             gpu=worker.gpu, gpu_bytes=done.gpu_bytes, gpu_checkpoint_s=done.gpu_checkpoint_s,
             gpu_times=done.gpu_times, gpus_before=list(done.gpus_before),
-            interface=done.interface, host_files=host_files,
+            interface=done.interface, host_files=host_files, container=worker.container,
+            own_pid=worker.own_pid,
             held_bytes=ready.held_bytes if ready is not None else 0,
             parked_bytes=ready.parked_bytes if ready is not None else 0,
             serve=self._serve_images(order.images, host_files) if order.serve else None,
@@ -519,6 +555,8 @@ class Agent:
     def _dump_finished(self, event: DumpFinished) -> None:
         result = event.result
         worker = self.workers[result.rank]
+        if result.ok and worker.container is not None and self.containers is not None:
+            self.containers.moved_away(worker.container)
         if result.ok:
             if worker.state != "exited":
                 self._reap(worker)  # CRIU ended it; its PID must be free for the restore
@@ -543,15 +581,25 @@ class Agent:
         assert self.server is not None
         worker = Worker(rank=rank, local_rank=order.local_rank, proc=AdoptedProcess(pid),
                         pidfd=-1, attempt=order.attempt)  # fmt: skip
+        restore_tree = None
+        if order.container is not None:  # its container, under the same ID, in this node
+            containers = self.containers
+            assert containers is not None, "a container moved to a node not in container mode"
+            container = order.container
+
+            def restore_tree() -> int:
+                worker.proc, _ = containers.restore(container, order.images)
+                return worker.pid
+
         with self._lock:
-            self.workers[rank] = worker  # before it says hello
+            self.workers[rank] = worker  # before it says hello (after its rejoin file, below)
         # the worker's output goes where this agent's goes (duplicates handed to criu)
         inherit = {os.dup(fd): res for fd, res in stdio_resources(order.fds).items()}
         try:
             # its interface taken over, CRIU, then its GPU memory onto this node's GPU
             done = self.mover.restore(order.images, pid, order.local_rank, gpu=order.gpu,
                                       gpus_before=order.gpus_before, interface=order.interface,
-                                      inherit_fds=inherit)  # fmt: skip
+                                      inherit_fds=inherit, restore_tree=restore_tree)  # fmt: skip
         except MigrationError as exc:
             with self._lock:
                 del self.workers[rank]
@@ -560,6 +608,7 @@ class Agent:
         finally:
             for fd in inherit:
                 os.close(fd)
+        pid = worker.pid
         # only now, its GPU state back and its CUDA calls unlocked, may it go on: it waits
         # for this file (its first CUDA call takes its parked tensors back)
         partial = rejoin.with_suffix(".partial")
@@ -572,6 +621,7 @@ class Agent:
         self._send(dataclasses.replace(
             failed, ok=True, pid=pid, restore_s=done.restore_s, gpu_restore_s=done.gpu_restore_s,
             transfer_s=transfer_s, gpu_times=done.gpu_times, to_gpu=done.to_gpu,
+            own_pid=worker.own_pid,
         ))  # fmt: skip
         shutil.rmtree(order.images, ignore_errors=True)  # the worker removes the rejoin file
 
@@ -821,7 +871,8 @@ class Agent:
             self._post(CoordLost())
 
     # ---- workers --------------------------------------------------------------------------
-    def _spawn(self, rank: int, local_rank: int, attempt: int, generation: int = 0) -> Worker:
+    def _spawn(self, rank: int, local_rank: int, attempt: int,
+               generation: int = 0) -> Worker | None:  # fmt: skip
         job = self.job
         assert self.server is not None
         env = WorkerEnv.for_rank(job, rank, local_rank, node_rank=self.node_rank,
@@ -833,10 +884,18 @@ class Agent:
         interface = netif.rank_interface(rank)
         if netif.exists(interface):  # the rank's own, which moves with it (simulated hosts)
             environ["NCCL_SOCKET_IFNAME"] = f"={interface}"
+        if self.containers is not None:
+            environ = self.containers.env(environ)
         proc = self.spares.take(environ, job) if attempt > 0 else None
         from_spare = proc is not None
         if from_spare:
             self._notify_spares()
+        elif self.containers is not None:
+            try:
+                proc = self.containers.start_worker(rank, attempt, environ)
+            except runc.RuncError as exc:
+                self._not_started(rank, local_rank, attempt, f"its container did not start: {exc}")
+                return None
         else:
             proc = subprocess.Popen(
                 [sys.executable, job.script, *job.args],
@@ -852,8 +911,20 @@ class Agent:
             self.workers[rank] = worker
         self._selector.register(pidfd, selectors.EVENT_READ, worker)
         self._send(WorkerStarted(rank=rank, node=self.node_rank, pid=proc.pid, attempt=attempt,
-                                 t=time.time(), from_spare=from_spare))  # fmt: skip
+                                 t=time.time(), from_spare=from_spare,
+                                 container=worker.container))  # fmt: skip
         return worker
+
+    def _not_started(self, rank: int, local_rank: int, attempt: int, why: str) -> None:
+        """A rank's process could not even be started: to the coordinator, a process that
+        ended at once (it is recovered, or stops the job, as a rank that dies does)."""
+        log.error("agent %d: rank %d %s", self.node_rank, rank, why)
+        now = time.time()
+        never = Worker(rank=rank, local_rank=local_rank, proc=AdoptedProcess(NO_PID), pidfd=-1,
+                       attempt=attempt, state="exited")  # fmt: skip
+        self._send(WorkerStarted(rank=rank, node=self.node_rank, pid=NO_PID, attempt=attempt,
+                                 t=now, from_spare=False))  # fmt: skip
+        self._report_fault(never, "exit", why, now)
 
     def _base_environ(self) -> dict[str, str]:
         """What every worker of this node (and every spare) starts with."""

@@ -31,6 +31,9 @@ def warm_up() -> None:
 
 
 def main() -> None:
+    from xmig.container.entry import become_init
+
+    become_init()
     warm_up()
     ready = os.environ.pop(READY_FD, None)
     if ready is not None:
@@ -45,8 +48,13 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
-    script = order["script"]
-    sys.argv = [script, *order["args"]]
+    run_script(order["script"], order["args"])
+
+
+def run_script(script: str, args: list[str]) -> None:
+    """Run ``script`` with ``args`` as ``__main__`` in this process, as ``python script``
+    would."""
+    sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -18,14 +19,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from xmig.agent.spare import READY_FD
 from xmig.jobspec import JobSpec
 from xmig.procs import die_with_parent, kill_group
 
 SPARE_DELAY_S = 5.0  # a new spare waits this long, so its start does not slow a recovery
+SPARE_RETRY_S = 30.0  # after a spare that could not be started
 CORES_PER_PROCESS = 2  # cores a node needs per worker and spare to warm spares up beside them
 SPARE_COMMAND = (sys.executable, "-m", "xmig.agent.spare")
+
+log = logging.getLogger(__name__)
 
 
 def spare_may_start(cores: int, workers: int, spares_wanted: int, workers_starting: bool) -> bool:
@@ -36,11 +41,16 @@ def spare_may_start(cores: int, workers: int, spares_wanted: int, workers_starti
     return not workers_starting or cores >= CORES_PER_PROCESS * (workers + spares_wanted)
 
 
+# starts a spare's command in a container instead: (command, environment, ready pipe's
+# write end) -> its process, with the parts of Popen the pool uses (``stdin`` among them)
+ContainerStarter = Callable[[Sequence[str], dict[str, str], int], Any]
+
+
 @dataclass
 class Spare:
     """A pre-started interpreter (``xmig.agent.spare``) waiting to become a worker."""
 
-    proc: subprocess.Popen
+    proc: Any  # subprocess.Popen, or a container's init (xmig.container.process)
     ready_fd: int
     ready: bool = False
 
@@ -68,6 +78,7 @@ class SparePool:
         self._command = list(command)
         self._spares: list[Spare] = []
         self._due = 0.0  # no new spare before this (monotonic): one was just taken
+        self.in_container: ContainerStarter | None = None  # container mode: how to start one
 
     def __len__(self) -> int:
         """Spares started and not taken, ready or not."""
@@ -87,7 +98,12 @@ class SparePool:
         cores = len(os.sched_getaffinity(0))
         if not spare_may_start(cores, workers, self.wanted, workers_starting):
             return None
-        return self.start(cwd)
+        try:
+            return self.start(cwd)
+        except (OSError, RuntimeError) as exc:  # a container's runtime refused it
+            log.warning("no hot spare started (trying again in %.0f s): %s", SPARE_RETRY_S, exc)
+            self._due = time.monotonic() + SPARE_RETRY_S
+            return None
 
     def start(self, cwd: str) -> Spare:
         """Start one spare now, in ``cwd``."""
@@ -95,15 +111,18 @@ class SparePool:
         environ = self._environ()
         environ[READY_FD] = str(ready_w)
         try:
-            proc = subprocess.Popen(
-                self._command,
-                cwd=cwd,
-                env=environ,
-                stdin=subprocess.PIPE,
-                pass_fds=(ready_w,),
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+            if self.in_container is not None:
+                proc = self.in_container(self._command, environ, ready_w)
+            else:
+                proc = subprocess.Popen(
+                    self._command,
+                    cwd=cwd,
+                    env=environ,
+                    stdin=subprocess.PIPE,
+                    pass_fds=(ready_w,),
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
         except BaseException:
             os.close(ready_r)
             raise
@@ -125,7 +144,7 @@ class SparePool:
             self._spares.remove(spare)
         return spare.ready
 
-    def take(self, environ: dict[str, str], spec: JobSpec) -> subprocess.Popen | None:
+    def take(self, environ: dict[str, str], spec: JobSpec) -> Any:
         """Hand a ready spare a worker's environment (it runs ``spec``'s script with it);
         its process, now the worker's, or None when no spare is ready."""
         for spare in list(self._spares):

@@ -188,6 +188,8 @@ class Job:
     agent_machines: dict[int, str] = field(default_factory=dict)  # xmig.paths.machine_id
     members: dict[int, Member] = field(default_factory=dict)
     worker_pids: dict[int, list[int]] = field(default_factory=dict)
+    # container mode: rank -> the containers its processes ran in, in order
+    worker_containers: dict[int, list[str]] = field(default_factory=dict)
     joined: set[int] = field(default_factory=set)
     progress: dict[int, int] = field(default_factory=dict)
     done: dict[int, WorkerDone] = field(default_factory=dict)
@@ -431,6 +433,8 @@ class Job:
     def _worker_started(self, msg: WorkerStarted, now: float) -> list[Order]:
         self.spawned += 1
         self.worker_pids[msg.rank].append(msg.pid)
+        if msg.container is not None:
+            self.worker_containers.setdefault(msg.rank, []).append(msg.container)
         self.members[msg.rank] = Member(msg.node, msg.pid, msg.attempt, msg.from_spare)
         return []
 
@@ -909,7 +913,11 @@ class Job:
 
     def _restored(self, msg: Restored, now: float) -> list[Order]:
         if msg.ok and self.migration is not None and msg.rank == self.migration.rank:
-            self.members[msg.rank].node = msg.node
+            member = self.members[msg.rank]
+            member.node = msg.node
+            if msg.pid is not None and msg.pid != member.pid:  # a container's init: the host's
+                member.pid = msg.pid  # PID changes, its own does not
+                self.worker_pids[msg.rank].append(msg.pid)
         return []
 
     # ---- stopping ------------------------------------------------------------------------------

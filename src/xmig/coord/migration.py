@@ -123,6 +123,9 @@ class Migration:
     transfer_s: float = 0.0
     image_bytes: int = 0
     restored_pid: int | None = None
+    container: str | None = None  # container mode: the rank's container
+    own_pid: int | None = None  # its PID as it saw it before (in its container: its own)
+    restored_own_pid: int | None = None  # and after
     netns: int | None = None  # the network namespace the moved process reported from
     gpu: str | None = None  # the UUID of the GPU it held state on
     to_gpu: str | None = None  # the UUID of the GPU it was restored onto
@@ -223,18 +226,20 @@ class Migration:
             self.gpu_times.update(event.gpu_times)
             if event.interface:
                 self.interface = str(event.interface["name"])
+            self.container, self.own_pid = event.container, event.own_pid
             restore = Restore(
                 generation=self.generation, rank=self.rank, pid=self.pid,
                 images=self.target_images, rejoin_file=self.rejoin_file, fetch=event.serve,
                 local_rank=self.local_rank, attempt=self.attempt, fds=event.fds, gpu=self.gpu,
                 gpus_before=event.gpus_before, interface=event.interface,
-                host_files=event.host_files,
+                host_files=event.host_files, container=event.container,
             )  # fmt: skip
             return [*self._enter(MigrationPhase.RESTORING, now), ToNode(self.target, restore)]
         if isinstance(event, Restored) and phase is MigrationPhase.RESTORING:
             if not event.ok:
                 return self.fail(f"restoring rank {self.rank} failed: {event.error}", now)
             self.restore_s, self.restored_pid = event.restore_s, event.pid
+            self.restored_own_pid = event.own_pid
             self.gpu_restore_s, self.to_gpu = event.gpu_restore_s, event.to_gpu
             self.gpu_times.update(event.gpu_times)
             self.transfer_s = event.transfer_s
@@ -285,7 +290,15 @@ class Migration:
             "generation": self.generation,
             "why": self.why,
             "pid": self.pid,
-            "pid_kept": self.restored_pid == self.pid,
+            "restored_pid": self.restored_pid,
+            # as the process sees it: a container's init keeps its PID in its namespace
+            "pid_kept": (
+                self.restored_own_pid == self.own_pid is not None
+                if self.container is not None
+                else self.restored_pid == self.pid
+            ),
+            "container": self.container,
+            "pid_in_container": self.restored_own_pid if self.container is not None else None,
             "netns": self.netns,
             "phases": {k: round(max(0.0, v), 4) for k, v in phases.items()},
             "criu_dump_s": round(self.dump_s, 4),
@@ -332,6 +345,10 @@ def describe_migration(record: dict[str, Any]) -> str:
     """One human line for a migration record."""
     phases = ", ".join(f"{k} {v:.3f}" for k, v in record["phases"].items())
     kept = "same PID" if record["pid_kept"] else "NEW PID"
+    pid = str(record["pid"])
+    if record.get("container"):  # its PID inside the container; the host's changes
+        pid = (f"{record.get('pid_in_container')} in container {record['container']}, host PID "
+               f"{record['pid']} -> {record.get('restored_pid')}")  # fmt: skip
     gpu = ""
     if record.get("gpu"):
         gpu = f", GPU {record.get('gpu_bytes', 0) / 1e9:.2f} GB {record['gpu']}"
@@ -340,6 +357,6 @@ def describe_migration(record: dict[str, Any]) -> str:
     return (
         f"migrated rank {record['rank']} from node {record['from_node']} to node "
         f"{record['to_node']} at step {record['step']} in {record['total_s']:.2f} s "
-        f"(downtime {record['downtime_s']:.2f} s, {kept} {record['pid']}, image "
+        f"(downtime {record['downtime_s']:.2f} s, {kept} {pid}, image "
         f"{record['image_bytes'] / 1e6:.0f} MB{gpu}) [{phases}]"
     )

@@ -80,6 +80,7 @@ def snapshot(job: Job) -> dict[str, Any]:
             for r, m in job.members.items()
         },
         "worker_pids": _keys_str(job.worker_pids),
+        "worker_containers": _keys_str(job.worker_containers),
         "joined": sorted(job.joined),
         "done": {str(r): fields_of(d) for r, d in job.done.items()},
         "exited": sorted(job.exited),
@@ -118,6 +119,8 @@ def restore(spec: JobSpec, data: dict[str, Any], now: float, launch: HostLaunch 
         job.agent_netns = _keys_int(data["agent_netns"])
         job.members = {int(r): Member(**m) for r, m in data["members"].items()}
         job.worker_pids = {r: list(p) for r, p in _keys_int(data["worker_pids"]).items()}
+        job.worker_containers = {r: list(c) for r, c in
+                                 _keys_int(data.get("worker_containers", {})).items()}  # fmt: skip
         job.joined = set(data["joined"])
         job.done = {int(r): WorkerDone(**d) for r, d in data["done"].items()}
         job.exited = set(data["exited"])

@@ -126,6 +126,7 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "recoveries": [_with_checks(job, r) for r in job.recoveries],
         "migrations": job.migrations,
         "worker_pids": {str(r): pids for r, pids in sorted(job.worker_pids.items())},
+        "worker_containers": {str(r): ids for r, ids in sorted(job.worker_containers.items())},
         "coordinator_pid": os.getpid(),
         "agent_pids": {str(n): p for n, p in sorted(job.agent_pids.items())},
         "spare_nodes": job.spec.spare_nodes,

@@ -112,6 +112,11 @@ class Injector:
 
     def _fire(self, spec: FaultSpec, op: str | None = None) -> None:
         self._announce(spec)
+        if spec.kind in ("kill", "hang") and os.getpid() == 1:
+            # a container's init: the kernel drops the signals it sends itself; its agent,
+            # told by the announcement, sends them from outside
+            time.sleep(NODE_LOSS_WAIT_S)
+            os._exit(1)
         if spec.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "exit":

@@ -283,6 +283,16 @@ def run(
             "world layout as the job that wrote it.",
         ),
     ] = None,
+    container: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="ROOTFS",
+            help="Run every worker (and hot spare) in a runc container of this root "
+            "filesystem (root only; make one with scripts/make-rootfs.sh): the project "
+            "mounted read-only, in its node's network namespace; a move checkpoints the "
+            "container.",
+        ),
+    ] = None,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -364,6 +374,7 @@ def run(
         coordinators=coordinators if coordinators is not None else (2 if control_plane else 1),
         multi_host=bool(host),
         coord_port=host.get("coord_port", 0),
+        container=str(container.resolve()) if container is not None else None,
     )
     if simulate_hosts:
         if master_addr != DEFAULT_MASTER_ADDR:
@@ -380,6 +391,8 @@ def run(
     logs.setup(spec.log_level)
     if spec.resume is not None:
         _check_resume(spec)
+    if spec.container is not None:
+        _check_container(spec)
     try:
         code = Launcher(spec, summary, argv=_ARGV, token=token, node_rank=node_rank).run()
     except LaunchError as exc:
@@ -404,6 +417,20 @@ def _check_resume(spec: JobSpec) -> None:
         raise click.UsageError(f"cannot resume: {exc}") from None
     progress(f"resuming from {spec.resume}: step {manifest.step} of job {manifest.job_id}, "
              f"{len(manifest.shards)} shard(s)")  # fmt: skip
+
+
+def _check_container(spec: JobSpec) -> None:
+    """Refuse, before anything starts, containers that cannot run here (one line)."""
+    from xmig.agent.containers import ContainerError, check_can_run
+
+    assert spec.container is not None
+    started = time.monotonic()
+    try:
+        python = check_can_run(spec)
+    except ContainerError as exc:
+        raise click.UsageError(str(exc)) from None
+    print(f"xmig: containers of {spec.container} ({python}; checked in "
+          f"{time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _job_spec(make: Callable[..., JobSpec], *args: Any, **fields: Any) -> JobSpec:

@@ -35,7 +35,7 @@ from xmig.jobenv import (
 )
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
-from xmig.paths import jobs_dir, parking_files
+from xmig.paths import job_folder, jobs_dir, parking_files
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
 from xmig.state.checkpoint import lost_coordinator_folder
 from xmig.wire import (
@@ -694,6 +694,7 @@ class Launcher:
             "nnodes": self.spec.nnodes, "nproc_per_node": self.spec.nproc_per_node,
             "steps": saved.get("step"), "final_params_sha256": None, "faults": [],
             "recoveries": [], "migrations": [], "unfired_faults": [], "worker_pids": {},
+            "worker_containers": {},
             "coordinator_pid": self.coordinator.pid if self.coordinator else None,
             "agent_pids": {str(n): p.pid for n, p in enumerate(self.agents)},
             "resumed_from": self.spec.resume, "stop_s": round(stopped, 4),
@@ -792,3 +793,11 @@ class Launcher:
             shutil.rmtree(folder, ignore_errors=True)
         for parked in parking_files(self.spec.job_id):
             parked.unlink(missing_ok=True)
+        if self.spec.container is not None:  # what agents that were killed left in runc
+            from xmig.agent.containers import job_prefix
+            from xmig.container.process import remove_all
+
+            left = remove_all(job_prefix(self.spec.job_id))
+            if left:
+                log.info("removed the job's leftover containers %s", left)
+            shutil.rmtree(job_folder(self.spec.job_id) / "containers", ignore_errors=True)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xmig.container import runc
 from xmig.migrate import criu, cuda, netif
 
 
@@ -29,7 +30,7 @@ class MigrationError(RuntimeError):
 def _as_migration_error() -> Iterator[None]:
     try:
         yield
-    except (criu.CriuError, cuda.GpuCheckpointError, netif.InterfaceError) as exc:
+    except (criu.CriuError, cuda.GpuCheckpointError, netif.InterfaceError, runc.RuncError) as exc:
         raise MigrationError(str(exc)) from exc
 
 
@@ -69,11 +70,13 @@ class ProcessMover:
         *,
         gpu_bytes: int = 0,
         interface: str | None = None,
+        container: str | None = None,
     ) -> CheckpointResult:
         """Checkpoint process ``pid`` (CRIU ends it) into ``images_dir``. ``gpu_uuid``: the GPU
         it holds state on, checkpointed first (``gpu_bytes``: what it said it holds there, where
         NVML cannot tell). ``interface``: the name of its own network interface, reported
-        when this node has it."""
+        when this node has it. ``container``: ``pid`` is the init of this container, which is
+        checkpointed whole (runc, with xmig's CRIU; runc removes it)."""
         gpu_s, gpu_times, gpus_before = 0.0, {}, []
         with _as_migration_error():
             if gpu_uuid is not None:  # its GPU memory goes into its host memory first
@@ -84,7 +87,10 @@ class ProcessMover:
                 gpu = cuda.GpuCheckpoint(pid)
                 gpu_s, gpu_times = gpu.save(), gpu.times
             started = time.monotonic()
-            criu.dump(pid, images_dir, tcp_close=True)
+            if container is not None:
+                runc.checkpoint(container, images_dir)
+            else:
+                criu.dump(pid, images_dir, tcp_close=True)
         took = time.monotonic() - started
         found = None
         if interface is not None and netif.exists(interface):  # the target node takes it
@@ -105,18 +111,24 @@ class ProcessMover:
         gpus_before: Sequence[str] = (),
         interface: Mapping[str, Any] | None = None,
         inherit_fds: Mapping[int, str] | None = None,
+        restore_tree: Callable[[], int] | None = None,
     ) -> RestoreResult:
         """Restore the process ``pid`` dumped into ``images_dir`` here; the restored tree goes
         to the nearest subreaper. ``interface``: its network interface (a checkpoint's), taken
         into this namespace first. ``gpu``: the GPU it held state on, restored onto this node's
         GPU for ``local_rank`` (``gpus_before``: every GPU of the machine it left).
-        ``inherit_fds``: as ``criu.restore``'s (they stay the caller's to close)."""
+        ``inherit_fds``: as ``criu.restore``'s (they stay the caller's to close).
+        ``restore_tree``: restores the tree instead of CRIU alone (a container's runtime), and
+        returns its init's PID, which the GPU state then goes to."""
         gpu_s, gpu_times, target = 0.0, {}, None
         started = time.monotonic()
         with _as_migration_error():
             if interface:
                 netif.take(interface["name"], interface["address"], interface["netns"])
-            criu.restore(images_dir, tcp_close=True, inherit_fds=inherit_fds)
+            if restore_tree is not None:
+                pid = restore_tree()
+            else:
+                criu.restore(images_dir, tcp_close=True, inherit_fds=inherit_fds)
             took = time.monotonic() - started
             if gpu is not None:  # onto this node's GPU for its local rank
                 target = cuda.device_uuid(local_rank)

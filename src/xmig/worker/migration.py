@@ -234,12 +234,15 @@ class Migration:
             where = json.load(source)
         os.unlink(order.rejoin_file)
         # the restorer is still the parent for a moment; then the target node's agent (its
-        # child subreaper) adopts this process, and this process must die with that agent
-        while os.getppid() != int(where["agent_pid"]):
-            if time.monotonic() > deadline:
-                exit_now(1)
-            time.sleep(0.002)
-        die_with_parent()
+        # child subreaper) adopts this process, and this process must die with that agent.
+        # A container's init cannot see its parent (getppid() is 0): it ends when its link
+        # to the agent does
+        if os.getpid() != 1:
+            while os.getppid() != int(where["agent_pid"]):
+                if time.monotonic() > deadline:
+                    exit_now(1)
+                time.sleep(0.002)
+            die_with_parent()
         unpark_s = 0.0
         if parking is not None:  # its CUDA calls wait until the agent has restored the GPU
             unpark_s = parking.unpark()
