@@ -1,6 +1,7 @@
 """Live migration: downtime by phase against the size of the moved process (CPU or GPU).
 
     python bench/migration.py [--out bench/results/migration.md]          (root: CRIU, netns)
+    python bench/migration.py --container ROOTFS     (each size bare, then in containers)
     NCCL_NVLS_ENABLE=0 XMIG_CRIU=… python bench/migration.py --gpu [--nnodes 4 --rank 3]
 
 Runs the demo GPT on ``--nnodes`` simulated hosts of one rank each plus a spare one
@@ -9,8 +10,10 @@ migrate:rank=R:step=3``) at several model sizes, and compares each run's final p
 the fault-free run's. On a GPU machine (``--gpu``) every node has a GPU of its own (the spare
 node's is another GPU where the machine has one more than the job's nodes, else the first):
 the moved process's GPU memory goes through the CUDA driver's checkpoint API. The results
-file keeps its other sections: each label (``CPU``, ``GPU …``) rewrites only its own. Every
-run is bounded in time.
+file keeps its other sections: each label (``CPU``, ``GPU …``) rewrites only its own. With
+``--container ROOTFS`` every size moves twice, a bare process and then a container of that
+rootfs (``xmig run --container``), both against the same fault-free bare run. Every run is
+bounded in time.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", help="a subset of the model sizes, by name")
     parser.add_argument("--label", help="the results file's section (default: CPU or GPU)")
     parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="per run, seconds")
+    parser.add_argument("--container", type=Path, metavar="ROOTFS",
+                        help="move each size bare and as a container of ROOTFS")  # fmt: skip
     args = parser.parse_args()
     usable, detail = criu_status()
     if not usable:
@@ -94,6 +99,8 @@ def main() -> int:
         return 2
     chosen = {name: sizes[name] for name in (args.sizes or sizes)}
     label = args.label or ("GPU" if args.gpu else "CPU")
+    if args.container and not args.label:
+        label += ", containers"
     command = "python bench/migration.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = Path(tempfile.mkdtemp(prefix="xmig-migration-"))
@@ -107,23 +114,35 @@ def main() -> int:
         try:
             reference = xmig_summary(work, f"{slug}-reference", steps, layout, script, model=model,
                                      nproc=1, timeout=args.timeout)  # fmt: skip
-            flags = [*layout, "--inject", f"migrate:rank={args.rank}:step={MOVE_AT}"]
-            moved = xmig_summary(work, f"{slug}-moved", steps, flags, script, model=model, nproc=1,
-                                 timeout=args.timeout)  # fmt: skip
         except RuntimeError as exc:  # an overrun: said in the table
             rows.append((name, {"message": str(exc)}, None, False))
             print(name, exc, flush=True)
             break
         expected = reference["final_params_sha256"]
-        same = expected is not None and moved["final_params_sha256"] == expected
-        record = moved["migrations"][0] if moved.get("migrations") else None
-        rows.append((name, moved, record, same))
-        print(name, record if record else moved["message"], same, flush=True)
-        if record is None or not same:
+        kinds = [("bare", []), ("container", ["--container", str(args.container)])]
+        failed = False
+        for kind, extra in kinds if args.container else kinds[:1]:
+            row = f"{name} ({kind})" if args.container else name
+            flags = [*layout, *extra, "--inject", f"migrate:rank={args.rank}:step={MOVE_AT}"]
+            try:
+                moved = xmig_summary(work, f"{slug}-moved-{kind}", steps, flags, script,
+                                     model=model, nproc=1, timeout=args.timeout)  # fmt: skip
+            except RuntimeError as exc:
+                rows.append((row, {"message": str(exc)}, None, False))
+                failed = True
+                break
+            same = expected is not None and moved["final_params_sha256"] == expected
+            record = moved["migrations"][0] if moved.get("migrations") else None
+            rows.append((row, moved, record, same))
+            print(row, record if record else moved["message"], same, flush=True)
+            failed = failed or record is None or not same
+        if failed:
             break  # the larger sizes would fail alike, and slower
     ok = all(r[2] is not None and r[3] for r in rows)
-    for name in list(chosen)[len(rows) :]:
-        rows.append((name, {"message": "not run: a smaller size failed"}, None, False))
+    done = {r[0].split(" (")[0] for r in rows}
+    for name in chosen:
+        if name not in done:
+            rows.append((name, {"message": "not run: a smaller size failed"}, None, False))
     section = report(args, label, command, started, detail, rows)
     replace_section(args.out, label, section, "Live migration: downtime by phase")
     print(f"logs in {work}")
@@ -154,6 +173,17 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
         "boundary, is not downtime.",
         "",
     ]
+    if args.container:
+        lines += [
+            f"Each size moves twice: a bare process, then a container of `{args.container}` "
+            "(`xmig run --container`: every worker the init of a runc container of its own, "
+            "in its node's network namespace). A container's agent checkpoints it whole with "
+            "`runc checkpoint` (xmig's CRIU, connections closed, no network lock) and the "
+            "target's restores it under the same ID with `runc restore`; the worker keeps its "
+            "PID inside (1), the host's PID of it changes. Both moves end with the fault-free "
+            "bare run's parameters.",
+            "",
+        ]
     lines += [
         "The moving rank first makes room outside its process for its tensors while the job "
         "still trains (`prepare`: a file in `/dev/shm`, mapped shared; on a GPU registered "

@@ -6,7 +6,14 @@ nothing behind."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +21,7 @@ from xmig.migrate import criu_status
 
 from conftest import MEASUREMENTS
 from container_harness import job_containers, made_rootfs, needs_containers
-from helpers import DEMO, run
+from helpers import DEMO, REPO, assert_all_gone, run, wait_for
 
 STEPS = 10
 HOSTS = ["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "--simulate-hosts"]
@@ -93,10 +100,37 @@ def test_a_killed_rank_is_replaced_in_a_new_container(rootfs, tmp_path, tmp_path
 def test_a_container_moves_to_the_spare_host_keeping_its_pid_inside(
     rootfs, tmp_path, tmp_path_factory
 ):
-    result = in_containers(rootfs, tmp_path, "--hot-spares", "0", "--inject",
-                           "migrate:rank=1:step=3:to=2", step_sleep=0.3)  # fmt: skip
-    assert result.returncode == 0, result.output
-    summary = result.summary
+    """The launcher's output goes to a file (a container's must not: CRIU cannot take a
+    host file along); once moved, the source host's namespace has no network lock left."""
+    log = tmp_path / "output.log"
+    args = [*HOSTS, "--container", str(rootfs), "--hot-spares", "0", "--inject",
+            "migrate:rank=1:step=3:to=2", *DEMO_ARGS, "--step-sleep", "0.3"]  # fmt: skip
+    env = {**os.environ, "XMIG_JOBS_DIR": str(tmp_path / "jobs")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "xmig", "run", "--summary",
+                                 str(tmp_path / "summary.json"), *args], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env=env)  # fmt: skip
+    try:
+        wait_for(lambda: "migrated rank 1" in log.read_text() or proc.poll() is not None,
+                 120.0, "the move")  # fmt: skip
+        found = re.search(r"network namespaces \((\S+)-n0", log.read_text())
+        assert found, log.read_text()
+        if proc.poll() is None and shutil.which("nft"):
+            rules = subprocess.run(["ip", "netns", "exec", f"{found.group(1)}-n1", "nft",
+                                    "list", "ruleset"], capture_output=True, text=True,
+                                   timeout=30, check=False)  # fmt: skip
+            assert rules.stdout.strip() == "", f"a network lock was left: {rules.stdout}"
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 0, output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert_all_gone(summary)
+    assert job_containers(summary["job_id"]) == []
     assert summary["final_params_sha256"] == bare_hash(tmp_path_factory), "not bit-identical"
     assert summary["faults"] == [] and summary["recoveries"] == []
     (record,) = summary["migrations"]
@@ -112,6 +146,7 @@ def test_a_container_moves_to_the_spare_host_keeping_its_pid_inside(
     # it reported from the spare host's network namespace
     assert record["netns"] == summary["agent_netns"]["2"] != summary["agent_netns"]["1"]
     assert 0 < record["downtime_s"] < 60
+    assert "[rank1] step 9" in output  # its output came on after the move
 
 
 def _xmig_line(result) -> str:

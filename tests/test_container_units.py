@@ -22,7 +22,7 @@ from xmig.container.bundle import (
 )
 from xmig.container.process import inner_pid
 from xmig.container.rootfs import VENV_PYTHON, RootfsError, find_python, resolve_inside
-from xmig.jobspec import JobSpec
+from xmig.jobspec import JobSpec, JobSpecError
 
 
 def spec(**fields) -> ContainerSpec:
@@ -138,11 +138,23 @@ def test_a_jobs_containers_see_its_folders_at_their_paths(tmp_path, monkeypatch)
     monkeypatch.setenv("XMIG_PARK_DIR", str(tmp_path / "park"))
     job = JobSpec(job_id="run 7/a", script=str(tmp_path / "p" / "train.py"), args=(),
                   cwd=str(tmp_path / "p"), checkpoint_dir=str(tmp_path / "ckpt"),
-                  container="/srv/rootfs")  # fmt: skip
+                  container="/srv/rootfs", container_mounts=["/data:ro", "/out"])  # fmt: skip
     binds = {b.path: b.writable for b in job_binds(job)}
+    assert (binds["/data"], binds["/out"]) == (False, True)  # the user's own mounts
     assert binds[str(tmp_path / "p")] is False  # the project: read-only
     assert binds[str(tmp_path / "ckpt")] is True
     assert binds[str(tmp_path / "jobs" / "run 7/a")] is True
     assert binds[str(tmp_path / "park")] is True
     assert (tmp_path / "ckpt").is_dir()  # made, so that it can be mounted
     assert job_prefix("run 7/a") == "xmig-run_7_a-"
+
+
+@pytest.mark.parametrize("mounts, container, needle", [
+    (["data"], "/srv/rootfs", "an absolute path"),
+    (["/"], "/srv/rootfs", "an absolute path"),
+    (["/data"], None, "goes with --container"),
+])  # fmt: skip
+def test_container_mounts_are_checked_with_the_spec(mounts, container, needle):
+    with pytest.raises(JobSpecError, match=needle):
+        JobSpec(job_id="j", script="/t.py", args=(), cwd="/", container=container,
+                container_mounts=mounts)  # fmt: skip

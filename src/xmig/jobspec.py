@@ -102,13 +102,16 @@ class JobSpec:
     # snapshot, and how many coordinators campaign for the lead (one leads, the others wait)
     control_plane: str | None = None
     coordinators: int = 1
-    # container mode: every worker (and hot spare) in a runc container of this root filesystem
+    # container mode: every worker (and hot spare) in a runc container of this root filesystem,
+    # with more host folders mounted at their paths (``PATH``, writable, or ``PATH:ro``)
     container: str | None = None
+    container_mounts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # frozen: the one place that may still set a field
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "faults", tuple(self.faults))
+        object.__setattr__(self, "container_mounts", tuple(self.container_mounts))
         self._validate()
 
     def _validate(self) -> None:
@@ -149,6 +152,13 @@ class JobSpec:
             )
         for data in self.faults:
             self._check_fault(data)
+        if self.container_mounts and self.container is None:
+            raise JobSpecError("--container-mount goes with --container")
+        for mount in self.container_mounts:
+            path = mount.removesuffix(":ro")
+            if not os.path.isabs(path) or os.path.normpath(path) == "/":
+                raise JobSpecError(f"--container-mount {mount}: an absolute path other than /, "
+                                   "optionally followed by :ro")  # fmt: skip
 
     def _check_fault(self, data: dict[str, Any]) -> None:
         try:

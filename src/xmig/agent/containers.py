@@ -57,7 +57,9 @@ def job_binds(job: JobSpec) -> list[Bind]:
         read_only.append(Path(job.resume))
     # the host's name resolves inside as outside (gloo binds to the address it resolves to)
     read_only += [Path(p) for p in ("/etc/hosts", "/etc/resolv.conf") if os.path.isfile(p)]
-    return ([Bind(str(p)) for p in read_only]
+    asked = [Bind(m.removesuffix(":ro"), writable=not m.endswith(":ro"))
+             for m in job.container_mounts]  # fmt: skip
+    return ([Bind(str(p)) for p in read_only] + asked
             + [Bind(str(p), writable=True) for p in writable if str(p) != "/dev/shm"])  # fmt: skip
 
 
@@ -146,6 +148,9 @@ def check_can_run(job: JobSpec) -> str:
         python = rootfs.find_python(job.container)
     except (runc.RuncError, rootfs.RootfsError) as exc:
         raise ContainerError(str(exc)) from None
+    for mount in job.container_mounts:
+        if not os.path.exists(mount.removesuffix(":ro")):
+            raise ContainerError(f"--container-mount {mount}: no such file or folder")
     containers = NodeContainers(job, node_rank=0)
     container_id = f"{containers.prefix}probe-{os.getpid()}"
     spec = containers._spec(["-c", "import xmig.session"], dict(os.environ))

@@ -293,6 +293,14 @@ def run(
             "container.",
         ),
     ] = None,
+    container_mount: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="PATH[:ro]",
+            help="With --container: one more host folder (data, outputs) mounted at its path "
+            "in every container, writable unless :ro. Repeatable.",
+        ),
+    ] = None,
 ) -> None:
     """Run SCRIPT on NNODES x NPROC_PER_NODE ranks with fault detection (like torchrun)."""
     if not Path(script).is_file():
@@ -375,6 +383,7 @@ def run(
         multi_host=bool(host),
         coord_port=host.get("coord_port", 0),
         container=str(container.resolve()) if container is not None else None,
+        container_mounts=list(container_mount or []),
     )
     if simulate_hosts:
         if master_addr != DEFAULT_MASTER_ADDR:
