@@ -70,7 +70,8 @@ fi
 log "base system in $((SECONDS - started)) s"
 
 # the rootfs's Python decides which wheels fit it
-py_version="$(env -i chroot "$DIR" /usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+CHROOT="$(command -v chroot)"
+py_version="$(env -i "$CHROOT" "$DIR" /usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 mine="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 # xmig's own requirements, read from pyproject.toml (xmig itself is mounted at run time)
 mapfile -t REQS < <("$PYTHON" - "$PROJECT/pyproject.toml" <<'EOF'
@@ -91,17 +92,22 @@ download=("$PYTHON" -m pip download --quiet --disable-pip-version-check --dest "
 if [[ "$py_version" != "$mine" ]]; then
     download+=(--only-binary=:all: --python-version "$py_version")
 fi
+phase=$SECONDS
 "${download[@]}" "${wanted[@]}" || die "pip could not download ${wanted[*]}"
+log "downloaded in $((SECONDS - phase)) s"
 
 log "installing them into $VENV"
+phase=$SECONDS
 # inside, nothing of this machine's environment (its pip settings name folders of its own)
 inside=(env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root
-    LANG=C.UTF-8 chroot "$DIR")
+    LANG=C.UTF-8 "$CHROOT" "$DIR")
 "${inside[@]}" python3 -m venv "$VENV"
 "${inside[@]}" "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
     --no-index --find-links /tmp/xmig-wheels --no-compile "${wanted[@]}" ||
     die "installing into the rootfs failed"
-"${inside[@]}" "$VENV/bin/python" -m compileall -q "$VENV/lib" >/dev/null || true
+# compiled once here, on every core: the containers' rootfs is read-only
+"${inside[@]}" "$VENV/bin/python" -m compileall -q -j 0 "$VENV/lib" >/dev/null || true
+log "installed and compiled in $((SECONDS - phase)) s"
 
 # what a smaller image can do without: package caches and lists, documentation
 rm -rf "$DIR"/var/cache/apt/archives/*.deb "$DIR"/var/lib/apt/lists/* \

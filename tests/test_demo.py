@@ -133,6 +133,7 @@ def test_the_demo_laid_out_on_a_mesh_recovers_bit_identically(tmp_path, layout):
     assert sorted(clean.summary["final_params_parts"]) == ["0", "1"]  # both shards
 
 
+@pytest.mark.long  # test_fsdp.py's TP x DP kill (backward) pulls from the same peer in CI
 def test_a_tp_by_dp_rank_killed_in_its_forward_pulls_from_its_data_parallel_peer(tmp_path):
     """Inside a step FSDP2 swaps in unsharded parameters, whose tensor-parallel meshes alone
     hid the data-parallel replicas: a fault there found "no replica" and stopped the job. The

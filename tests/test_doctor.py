@@ -17,7 +17,7 @@ def test_report_shape(capsys: pytest.CaptureFixture[str]) -> None:
     report = doctor.doctor_report()
     names = [name for name, _, _ in report]
     assert names == ["CRIU", "root", "network namespaces", "parking folder",
-                     "CUDA checkpoint API"]  # fmt: skip
+                     "CUDA checkpoint API", "runc"]  # fmt: skip
     for name, ok, detail in report:
         assert isinstance(name, str) and isinstance(ok, bool)
         assert isinstance(detail, str) and detail.strip(), name
@@ -77,3 +77,9 @@ def test_huge_pages_reads_the_mount_that_holds_the_folder() -> None:
     assert huge_pages(Path("/mnt/a/b"), mounts) == "advise"
     assert huge_pages(Path("/mnt/a/disk/b"), mounts) is None  # the mount on top
     assert huge_pages(Path("/mnt/ab"), mounts) is None  # a prefix is not a parent
+
+
+def test_runc_missing_is_said_and_fails_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XMIG_RUNC", "/nonexistent")
+    ok, detail = {name: (ok, d) for name, ok, d in doctor.doctor_report()}["runc"]
+    assert ok and "only --container needs it" in detail and "apt install runc" in detail

@@ -104,6 +104,7 @@ def test_groups_made_with_new_group_recover_too(tmp_path, tmp_path_factory):
     assert recovery["sources"] == {"2": 3} and recovery["verified"] is True
 
 
+@pytest.mark.long  # new_group's recoveries and split_group's contract run in CI
 def test_groups_made_with_split_group_recover_too(tmp_path, tmp_path_factory):
     """split_group's groups (torch's own needs NCCL and a bound device) are proxied too."""
     expected = reference(tmp_path_factory, "split")

@@ -250,6 +250,7 @@ def test_rank0_dies_inside_ddp_bucket_rebuild(tmp_path, tmp_path_factory, measur
     check_records(summary, [0], measure, f"{spec} (world 3, DDP rebuild)")
 
 
+@pytest.mark.long  # the rebuild with the log, and rollbacks without it, run in CI
 def test_rank0_dies_inside_ddp_bucket_rebuild_without_replay_log(
     tmp_path, tmp_path_factory, measure
 ):

@@ -1,8 +1,8 @@
-"""``xmig doctor``: whether this machine has what moving a process needs.
+"""``xmig doctor``: whether this machine has what moving a process needs (and containers).
 
 Checks CRIU, root, network namespaces through ``ip netns``, the folder a moving rank parks
-its tensors in, and on a GPU machine the CUDA checkpoint API. Every check reports instead of
-raising.
+its tensors in, on a GPU machine the CUDA checkpoint API, and runc for container mode.
+Every check reports instead of raising.
 """
 
 from __future__ import annotations
@@ -145,12 +145,31 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no message"
 
 
+def check_runc(timeout: float = 10.0) -> Check:
+    """runc, for container mode (``--container``); its absence fails nothing else."""
+    from xmig.container.runc import INSTALL_HINT, find_runc
+
+    found = find_runc()
+    if found is None:
+        return "runc", True, f"not installed: only --container needs it; {INSTALL_HINT}"
+    try:
+        out = subprocess.run([found, "--version"], capture_output=True, text=True,
+                             timeout=timeout, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return "runc", False, f"{found} does not run: {exc}"
+    if out.returncode != 0:
+        return "runc", False, f"{found} does not run: {_last_line(out.stderr + out.stdout)}"
+    first = (out.stdout.strip().splitlines() or ["runc"])[0]
+    return "runc", True, f"{first} at {found}: --container can run workers in containers"
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
     check_criu,
     check_root,
     check_netns,
     check_park_dir,
     check_cuda_checkpoint,
+    check_runc,
 )
 
 
