@@ -78,17 +78,9 @@ mkdir -p "$context/scripts" "$context/project"
 cp "$HERE/install-criu.sh" "$HERE/debian-mirror.sh" "$context/scripts/"
 (cd "$PROJECT" && git ls-files -z -- pyproject.toml README.md src examples |
     xargs -0 cp --parents -t "$context/project")
-mapfile -t reqs < <("$PYTHON" - "$PROJECT/pyproject.toml" <<'EOF'
-import re
-import sys
-
-text = open(sys.argv[1]).read()
-block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
-for req in re.findall(r'^\s*"([^"]+)"', block, re.M):
-    if not re.match(r"torch\b", req):
-        print(req)
-EOF
-)
+# shellcheck source=scripts/requirements.sh
+source "$HERE/requirements.sh"
+mapfile -t reqs < <(xmig_requirements "$PYTHON" "$PROJECT/pyproject.toml")
 # the image's Python (its suite's python3) decides which wheels fit
 case "$SUITE" in
     bookworm) py_version=3.11 ;;

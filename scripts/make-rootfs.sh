@@ -74,17 +74,9 @@ CHROOT="$(command -v chroot)"
 py_version="$(env -i "$CHROOT" "$DIR" /usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 mine="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 # xmig's own requirements, read from pyproject.toml (xmig itself is mounted at run time)
-mapfile -t REQS < <("$PYTHON" - "$PROJECT/pyproject.toml" <<'EOF'
-import re
-import sys
-
-text = open(sys.argv[1]).read()
-block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
-for req in re.findall(r'^\s*"([^"]+)"', block, re.M):
-    if not re.match(r"torch\b", req):
-        print(req)
-EOF
-)
+# shellcheck source=scripts/requirements.sh
+source "$HERE/requirements.sh"
+mapfile -t REQS < <(xmig_requirements "$PYTHON" "$PROJECT/pyproject.toml")
 wanted=("$TORCH_SPEC" "${REQS[@]}" "${EXTRA[@]}")
 log "downloading wheels for Python $py_version: ${wanted[*]}"
 mkdir -p "$DIR/tmp/xmig-wheels"

@@ -36,6 +36,7 @@ needs_containers = pytest.mark.skipif(why_not is not None, reason=str(why_not))
 
 def _key() -> str:
     digest = hashlib.sha256(SCRIPT.read_bytes())
+    digest.update((SCRIPT.parent / "requirements.sh").read_bytes())
     digest.update((REPO / "pyproject.toml").read_bytes())
     digest.update(os.environ.get("TORCH_SPEC", "torch==2.13.0").encode())
     return digest.hexdigest()[:12]
