@@ -26,7 +26,8 @@ from helpers import DEMO, REPO, assert_all_gone, run, wait_for
 STEPS = 10
 HOSTS = ["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "--simulate-hosts"]
 DEMO_ARGS = [str(DEMO), "--preset", "tiny", "--steps", str(STEPS), "--quiet"]
-pytestmark = needs_containers
+# the first test's setup makes the rootfs (minutes, from the mirror) if it is not kept yet
+pytestmark = [needs_containers, pytest.mark.timeout(1200)]
 _BARE: list[str] = []
 
 
