@@ -31,7 +31,7 @@ from xmig.jobspec import HostLaunch, JobSpec
 from xmig.migrate import criu, cuda, netif, stream
 from xmig.migrate.mover import MigrationError, ProcessMover
 from xmig.paths import is_parking_file, machine_id
-from xmig.procs import die_with_parent, group_members, kill_group
+from xmig.procs import AdoptedProcess, die_with_parent, group_members, kill_group
 from xmig.protocol import (
     CATALOGUE,
     AgentAlive,
@@ -135,33 +135,6 @@ class Worker:
         """Its PID as it sees it (``getpid()``): in a container, its PID in the container's
         namespace (1, its init), else the same as ``pid``."""
         return self.proc.inner_pid if isinstance(self.proc, ContainerProcess) else self.pid
-
-
-class AdoptedProcess:
-    """A worker this agent did not start (restored by CRIU, then re-parented to the agent,
-    its child subreaper): the parts of ``Popen`` the agent uses."""
-
-    args: list[str] = []
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            time.sleep(0.005)
-        assert self.returncode is not None
-        return self.returncode
 
 
 _PR_SET_CHILD_SUBREAPER = 36

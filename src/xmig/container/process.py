@@ -23,6 +23,7 @@ from typing import IO
 
 from xmig.container import runc
 from xmig.container.bundle import ContainerSpec, write_bundle
+from xmig.procs import AdoptedProcess
 
 log = logging.getLogger(__name__)
 
@@ -63,43 +64,24 @@ def inner_pid(pid: int) -> int | None:
     return pid
 
 
-class ContainerProcess:
+class ContainerProcess(AdoptedProcess):
     """A container's init, with the parts of ``Popen`` an agent uses (``pid``, ``poll``,
     ``wait``, ``kill``, ``terminate``, ``stdin``); once reaped, the container is removed."""
 
-    args: list[str] = []
-
     def __init__(self, container_id: str, pid: int, bundle: Path,
                  stdin: IO[bytes] | None = None) -> None:  # fmt: skip
+        super().__init__(pid)
         self.container_id = container_id
-        self.pid = pid
         self.bundle = bundle
         self.stdin = stdin
-        self.returncode: int | None = None
         self.inner_pid = inner_pid(pid)
         self._removed = False
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # not (or no longer) this process's child
-                if os.path.exists(f"/proc/{self.pid}"):
-                    return None
-                pid, status = self.pid, 137 << 8  # gone, reaped elsewhere: as if killed
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                self.remove()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.container_id, timeout or 0.0)
-            time.sleep(0.005)
-        assert self.returncode is not None
-        return self.returncode
+        code = super().poll()
+        if code is not None:
+            self.remove()
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
