@@ -131,3 +131,63 @@ def test_workers_get_expandable_segments_unless_the_job_set_its_allocator():
     single: dict[str, str] = {}
     set_worker_defaults(single, world_size=1)
     assert "OMP_NUM_THREADS" not in single  # one rank: the machine's threads are its own
+
+
+def test_a_spare_container_that_does_not_start_is_tried_again_later(environ, tmp_path):
+    """Container mode: the runtime refusing a spare's container leaves the pool without one
+    for a while (the agent's loop goes on), never a crash of the agent."""
+    from xmig.container.runc import RuncError
+
+    selector = selectors.DefaultSelector()
+    pool = SparePool(selector, lambda: dict(environ), wanted=1,
+                     command=[sys.executable, "-c", FAKE_SPARE])  # fmt: skip
+    tried = []
+
+    def refuse(command, env, ready_fd):
+        tried.append(command)
+        raise RuncError("starting container x failed (runc exit 1): no rootfs")
+
+    pool.in_container = refuse
+    try:
+        assert pool.keep(str(tmp_path), workers=0, workers_starting=False) is None
+        assert len(tried) == 1 and len(pool) == 0
+        assert pool.keep(str(tmp_path), workers=0, workers_starting=False) is None
+        assert len(tried) == 1  # not again at once
+    finally:
+        pool.stop()
+        selector.close()
+
+
+def test_a_worker_whose_container_does_not_start_is_reported_as_a_process_that_ended():
+    """To the coordinator, a rank whose container runc refused is a process that started and
+    ended at once: a fault naming why, which its recovery (or the job's stop) answers."""
+    from xmig.agent.agent import NO_PID, Agent
+    from xmig.container.runc import RuncError
+    from xmig.protocol import Fault, WorkerStarted
+
+    class Refusing:
+        def env(self, environ):
+            return environ
+
+        def start_worker(self, rank, attempt, environ):
+            raise RuncError("starting container c failed (runc exit 1): exec: no such file")
+
+    class Server:
+        address = ("127.0.0.1", 1)
+
+    agent = Agent(("127.0.0.1", 1), "t" * 64, node_rank=0)
+    agent._job = JobSpec(job_id="j", script="/train.py", args=(), cwd="/", nproc_per_node=2,
+                         container="/srv/rootfs")  # fmt: skip
+    agent.server = Server()
+    agent.containers = Refusing()
+    sent = []
+    agent._send = sent.append
+    assert agent._spawn(1, 1, attempt=2, generation=3) is None
+    assert 1 not in agent.workers
+    started, fault = sent
+    assert isinstance(started, WorkerStarted) and (started.rank, started.pid) == (1, NO_PID)
+    assert started.attempt == 2
+    assert isinstance(fault, Fault)
+    record = fault.record
+    assert (record.rank, record.pid, record.kind, record.attempt) == (1, NO_PID, "exit", 2)
+    assert "its container did not start" in record.detail and "no such file" in record.detail
