@@ -158,3 +158,18 @@ def test_container_mounts_are_checked_with_the_spec(mounts, container, needle):
     with pytest.raises(JobSpecError, match=needle):
         JobSpec(job_id="j", script="/t.py", args=(), cwd="/", container=container,
                 container_mounts=mounts)  # fmt: skip
+
+
+def test_containers_on_a_gpu_machine_say_they_run_on_cpu(monkeypatch, capsys):
+    """No GPU is passed into a container yet: on a machine with GPUs the job says so before
+    it starts, instead of training on its CPUs unannounced."""
+    from xmig.agent import containers
+    from xmig.launch import cli
+
+    monkeypatch.setattr(containers, "check_can_run", lambda spec: "/opt/xmig/venv/bin/python")
+    job = JobSpec(job_id="j", script="/t.py", args=(), cwd="/", container="/srv/rootfs")
+    for gpus, warned in ((0, False), (8, True)):
+        monkeypatch.setattr(cli, "gpu_count", lambda gpus=gpus: gpus)
+        cli._check_container(job)
+        err = capsys.readouterr().err
+        assert ("8 GPU(s)" in err and "the workers run on CPU" in err) is warned, err

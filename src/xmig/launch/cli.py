@@ -40,7 +40,7 @@ from xmig.jobspec import (
 )
 from xmig.launch.check import CheckError, run_check
 from xmig.launch.doctor import run_doctor
-from xmig.launch.hosts import HostSetupError, check_can_simulate
+from xmig.launch.hosts import HostSetupError, check_can_simulate, gpu_count
 from xmig.launch.launcher import Launcher, LaunchError, find_job
 from xmig.paths import job_folder
 from xmig.wire import AuthError, Client, RemoteError, WireError, format_address, parse_address
@@ -440,6 +440,12 @@ def _check_container(spec: JobSpec) -> None:
         raise click.UsageError(str(exc)) from None
     print(f"xmig: containers of {spec.container} ({python}; checked in "
           f"{time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    gpus = gpu_count()
+    if gpus:  # torch in a container sees none of them: the job would train on its CPUs
+        print(f"xmig: warning: this machine has {gpus} GPU(s), and --container passes none "
+              "into the containers yet: the workers run on CPU (gloo); for GPUs run bare "
+              "workers, or xmig inside the GPU image (README, \"Containers\")",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _job_spec(make: Callable[..., JobSpec], *args: Any, **fields: Any) -> JobSpec:
