@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -34,6 +35,21 @@ elif shutil.which("debootstrap") is None and not os.environ.get("XMIG_TEST_ROOTF
 needs_containers = pytest.mark.skipif(why_not is not None, reason=str(why_not))
 
 
+def bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` to its end in a session of its own; on ``timeout`` its whole process group is
+    killed (debootstrap's and podman's children too) and the test fails saying so."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not end within {timeout:.0f} s:\n"
+                             f"{out[-3000:]}\n{err[-3000:]}") from None  # fmt: skip
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _key() -> str:
     digest = hashlib.sha256(SCRIPT.read_bytes())
     digest.update((SCRIPT.parent / "requirements.sh").read_bytes())
@@ -53,8 +69,7 @@ def made_rootfs() -> tuple[Path, float]:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     started = time.monotonic()
-    done = subprocess.run(["bash", str(SCRIPT), str(partial)], capture_output=True, text=True,
-                          timeout=MAKE_TIMEOUT_S, check=False)  # fmt: skip
+    done = bounded(["bash", str(SCRIPT), str(partial)], MAKE_TIMEOUT_S)
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise AssertionError(f"make-rootfs.sh failed:\n{done.stdout}\n{done.stderr}")

@@ -80,8 +80,9 @@ def test_fault_free_runs_in_containers_are_deterministic_and_equal_bare_processe
 
 
 def test_a_killed_rank_is_replaced_in_a_new_container(rootfs, tmp_path, tmp_path_factory):
-    """The replacement comes from the node's hot spare, itself a container; the survivor
-    keeps its process (and container)."""
+    """The replacement is the node's hot spare where one is ready (itself a container), else
+    a fresh container; either way a container the rank did not have. The survivor keeps its
+    process (and container)."""
     result = in_containers(rootfs, tmp_path, "--inject", "kill:rank=1:step=4:at=backward",
                            step_sleep=0.3)  # fmt: skip
     assert result.returncode == 0, result.output

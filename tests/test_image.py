@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from container_harness import bounded
 from helpers import REPO
 
 BUILD_TIMEOUT_S = 1800.0
@@ -24,9 +25,7 @@ pytestmark = [
 
 def test_the_cpu_image_builds_and_its_demo_ends_bit_identical(measure):
     tag = "localhost/xmig-test:cpu"
-    done = subprocess.run(["bash", str(REPO / "scripts" / "build-image.sh"), tag],
-                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                          check=False)  # fmt: skip
+    done = bounded(["bash", str(REPO / "scripts" / "build-image.sh"), tag], BUILD_TIMEOUT_S)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert "bit-identical:  yes" in output, output[-3000:]
