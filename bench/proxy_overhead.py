@@ -43,11 +43,26 @@ def main() -> None:
     )
     parser.add_argument("--trace", help="a folder for the profiled steps' Chrome traces")
     parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="(GPU) where the CPU and the GPU stand after the forward, the backward and the "
+        "optimizer of each step (CUDA events), and the time xmig's step boundary takes",
+    )
+    parser.add_argument(
         "--poll-us",
         type=float,
         help="how often the proxy checks whether a GPU op has finished (default: the proxy's)",
     )
+    parser.add_argument(
+        "--stacks-after",
+        type=float,
+        help="print every thread's stack after this many seconds (a hang)",
+    )
     args, model_args = parser.parse_known_args()
+    if args.stacks_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stacks_after, exit=True)
     if args.poll_us is not None:
         import xmig.proxy.process_group as proxy_module
 
@@ -72,29 +87,53 @@ def main() -> None:
     opt_p = torch.optim.AdamW(model_p.parameters(), lr=gpt_args.lr)
     session.register(model=ddp_x, optimizer=opt_x)
 
-    def train(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, step: int) -> None:
+    phases: dict[str, list[dict[str, tuple[float, float]]]] = {"plain": [], "xmig": []}
+    timed = args.phases and device.type == "cuda"
+
+    def train(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, step: int,
+              name: str | None = None) -> None:  # fmt: skip
         x, y = train_gpt.synthetic_batch(gpt_args.seed, step, session.rank,
                                          gpt_args.batch_size, cfg.block_size, cfg.vocab_size,
                                          device)  # fmt: skip
+        marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+        def mark(point: str) -> None:
+            if timed and name is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                marks.append((point, time.perf_counter(), event))
+
+        mark("start")
         loss = ddp(x, y)
+        mark("forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        mark("backward")
         opt.step()
+        mark("optimizer")
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a step's time is its GPU work too
+        if marks:
+            _, cpu0, gpu0 = marks[0]
+            phases[name].append({point: ((cpu - cpu0) * 1000, gpu0.elapsed_time(event))
+                                 for point, cpu, event in marks[1:]})  # fmt: skip
 
     times: dict[str, list[float]] = {"plain": [], "xmig": []}
     profiled = args.profile_steps if device.type == "cuda" else 0
     steps = session.steps(args.steps + profiled)
 
+    boundaries: list[float] = []
+
     def plain_step(i: int) -> None:
         started = time.perf_counter()
-        train(ddp_p, opt_p, i)
+        train(ddp_p, opt_p, i, "plain")
         times["plain"].append(time.perf_counter() - started)
 
     def xmig_step() -> None:
         started = time.perf_counter()
-        train(ddp_x, opt_x, next(steps))
+        step = next(steps)
+        boundaries.append(time.perf_counter() - started)
+        train(ddp_x, opt_x, step, "xmig")
         times["xmig"].append(time.perf_counter() - started)
 
     for i in range(args.steps):  # ABBA: which one goes first alternates
@@ -126,6 +165,20 @@ def main() -> None:
             "issue_ms_per_step": session.proxy.issue_seconds / args.steps * 1000,
             "ops_per_step": session.proxy.issued / args.steps,
             "profile": profiles,
+            "boundary_ms": statistics.median(boundaries[args.warmup :]) * 1000,
+            # per point: the median of the CPU's and of the GPU's time since the step began
+            # (ms); the GPU later than the CPU by their difference: the CPU that far ahead
+            "phases": {
+                name: {
+                    point: [
+                        statistics.median(s[point][0] for s in steps_[args.warmup :]),
+                        statistics.median(s[point][1] for s in steps_[args.warmup :]),
+                    ]
+                    for point in ("forward", "backward", "optimizer")
+                }
+                for name, steps_ in phases.items()
+                if len(steps_) > args.warmup
+            },
         }
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"[rank0] plain {result['median_ms']['plain']:.1f} ms, xmig "

@@ -228,6 +228,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timing-file", help="rank 0 writes each step's wall time (JSON) here")
     parser.add_argument(
+        "--mean-loss",
+        action="store_true",
+        help="average the loss over the ranks after each update (a collective after the "
+        "optimizer, as scripts that log the mean loss have)",
+    )
+    parser.add_argument(
         "--events-file",
         help="every rank appends one JSON line per finished step (wall clock) to this file",
     )
@@ -484,6 +490,10 @@ def main(argv: list[str] | None = None) -> None:
     for step in session.steps(args.steps, start):
         current_step = step
         loss = train_step(ddp, optimizer, *batch(step, rank), args.step_sleep)
+        if args.mean_loss:
+            loss = loss.detach()
+            dist.all_reduce(loss, group=session.process_group)
+            loss /= session.world_size
         if not args.quiet or step == args.steps - 1:
             print(f"[rank{rank}] step {step} loss {loss.item():.4f}", flush=True)
         if checkpoint is not None:

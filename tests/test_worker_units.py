@@ -291,6 +291,8 @@ def _gate():
         optimizer_stepped=False,
         env=SimpleNamespace(recovery_timeout=1.0),
         injector=SimpleNamespace(at_point=lambda step, point: None),
+        groups=SimpleNamespace(proxies=lambda: []),
+        queued_update=None,
     )
     return OptimizerGate(ctx), ctx
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from xmig.faults.spec import FaultSpec
 from xmig.jobspec import (
+    DEFAULT_GPU_GATE,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_KEEP_LOG,
     DEFAULT_LOG_LEVEL,
@@ -29,6 +30,7 @@ INJECT = "XMIG_INJECT"
 ATTEMPT = "XMIG_ATTEMPT"
 GENERATION = "XMIG_GENERATION"
 KEEP_LOG = "XMIG_KEEP_LOG"
+GPU_GATE = "XMIG_GPU_GATE"
 RECOVERY_TIMEOUT = "XMIG_RECOVERY_TIMEOUT"
 LOG_LEVEL = "XMIG_LOG_LEVEL"
 STRICT = "XMIG_STRICT"
@@ -62,6 +64,7 @@ class WorkerEnv:
     attempt: int = 0
     generation: int = 0
     keep_log: bool = DEFAULT_KEEP_LOG
+    gpu_gate: bool = DEFAULT_GPU_GATE
     recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S
     log_level: str = DEFAULT_LOG_LEVEL
     strict: bool = DEFAULT_STRICT
@@ -109,6 +112,7 @@ class WorkerEnv:
             attempt=attempt,
             generation=generation,
             keep_log=spec.keep_log,
+            gpu_gate=spec.gpu_gate,
             recovery_timeout=spec.recovery_timeout,
             log_level=spec.log_level,
             strict=spec.strict,
@@ -153,6 +157,7 @@ class WorkerEnv:
             ATTEMPT: str(self.attempt),
             GENERATION: str(self.generation),
             KEEP_LOG: "1" if self.keep_log else "0",
+            GPU_GATE: "1" if self.gpu_gate else "0",
             RECOVERY_TIMEOUT: str(self.recovery_timeout),
             LOG_LEVEL: self.log_level,
             STRICT: "1" if self.strict else "0",
@@ -193,6 +198,7 @@ class WorkerEnv:
             attempt=int(env.get(ATTEMPT, "0")),
             generation=int(env.get(GENERATION, "0")),
             keep_log=env.get(KEEP_LOG, "1" if DEFAULT_KEEP_LOG else "0") != "0",
+            gpu_gate=env.get(GPU_GATE, "1" if DEFAULT_GPU_GATE else "0") != "0",
             recovery_timeout=float(env.get(RECOVERY_TIMEOUT, DEFAULT_RECOVERY_TIMEOUT_S)),
             log_level=env.get(LOG_LEVEL, DEFAULT_LOG_LEVEL),
             strict=env.get(STRICT, "1" if DEFAULT_STRICT else "0") == "1",

@@ -32,6 +32,7 @@ DEFAULT_AGENT_CONNECT_TIMEOUT_S = 60.0
 # image pulled, a Slurm step started): torchrun waits as long for its rendezvous
 DEFAULT_HOST_JOIN_TIMEOUT_S = 600.0
 DEFAULT_KEEP_LOG = True
+DEFAULT_GPU_GATE = True
 DEFAULT_RECOVERY_TIMEOUT_S = 120.0
 DEFAULT_MAX_RECOVERIES = 10
 DEFAULT_HOT_SPARES = 1
@@ -79,6 +80,9 @@ class JobSpec:
     stop_grace: float = DEFAULT_STOP_GRACE_S
     agent_connect_timeout: float = DEFAULT_AGENT_CONNECT_TIMEOUT_S
     keep_log: bool = DEFAULT_KEEP_LOG
+    # on GPUs, a bucket all-reduce's result is handed over at once behind a gate on the GPU
+    # (``xmig.proxy.gate``) instead of once the host has seen it end
+    gpu_gate: bool = DEFAULT_GPU_GATE
     recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S
     max_recoveries: int = DEFAULT_MAX_RECOVERIES
     hot_spares: int = DEFAULT_HOT_SPARES

@@ -105,6 +105,7 @@ class Session:
             ctx.comms.communicator(name, generation, group_rank, size),
             before_op=ctx.injector.at_collective,
             keep_log=ctx.env.keep_log,
+            gate=ctx.env.gpu_gate and ctx.device.type == "cuda",
             on_trouble=lambda error: on_trouble(ctx, error),
             # a replacement serves its prologue (DDP's construction) locally
             mode="local" if ctx.prologue_local else "normal",

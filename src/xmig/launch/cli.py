@@ -18,6 +18,7 @@ from xmig.faults.spec import FaultSpecError, parse_faults
 from xmig.jobspec import (
     DEFAULT_AGENT_CONNECT_TIMEOUT_S,
     DEFAULT_COORDINATOR_RESTARTS,
+    DEFAULT_GPU_GATE,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_HOST_JOIN_TIMEOUT_S,
@@ -223,6 +224,16 @@ def run(
             "then rolls the step back on every rank instead of replaying it.",
         ),
     ] = not DEFAULT_KEEP_LOG,
+    no_gpu_gate: Annotated[
+        bool,
+        typer.Option(
+            "--no-gpu-gate",
+            help="On GPUs, hand the framework a bucket all-reduce's result only once the host "
+            "has seen it end, instead of at once behind a gate on the GPU (the CPU then "
+            "cannot run ahead of the step's collectives; for optimizers that read GPU values "
+            "on the host inside step()).",
+        ),
+    ] = not DEFAULT_GPU_GATE,
     recovery_timeout: Annotated[
         float, typer.Option(help="Seconds a recovery may take before the job stops.")
     ] = DEFAULT_RECOVERY_TIMEOUT_S,
@@ -365,6 +376,7 @@ def run(
         heartbeat_timeout=heartbeat_timeout,
         stop_grace=stop_grace,
         keep_log=not no_replay_log,
+        gpu_gate=not no_gpu_gate,
         recovery_timeout=recovery_timeout,
         max_recoveries=max_recoveries,
         hot_spares=hot_spares,

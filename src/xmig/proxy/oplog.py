@@ -204,6 +204,13 @@ class OpRecord:
     output_versions: list[int] | None = None
     group: str = "world"  # the process group it was issued on
     seq: int = 0  # its place in the order ops are issued in across every group of the process
+    # its future completed at issue behind a gate on the GPU (``xmig.proxy.gate``): the
+    # gate, and the number that opens it once the op has ended well
+    gate: Any = None
+    gate_number: int | None = None
+    # (GPU, gates on) an event on the issuing stream after its inputs were logged: a
+    # recovery on a stream of its own waits on it, never on the framework's whole stream
+    logged_event: Any = None
 
     @property
     def input_tensors(self) -> list[torch.Tensor]:

@@ -2,16 +2,19 @@
 
 Every op is logged (inputs copied before launch), launched on the current real communicator
 and handed back to the framework as a Work backed by a future the proxy owns. A waiter thread
-completes those futures in issue order. When an op fails, the proxy halts instead of failing
-the framework: the framework only sees a slow collective while the worker rebuilds the
-communicator and re-issues the step's ops (``replay``), or serves the rest of the step locally
-(``skip_rest_of_step``).
+completes those futures in issue order; on a GPU with the gate on, a bucket all-reduce's
+future is completed at once behind a gate on the GPU that the waiter opens
+(``xmig.proxy.gate``), so the CPU runs ahead as with a plain process group. When an op
+fails, the proxy halts instead of failing the framework: the framework only sees a slow
+collective while the worker rebuilds the communicator and re-issues the step's ops
+(``replay``), or serves the rest of the step locally (``skip_rest_of_step``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
+from xmig.proxy.gate import GATED_OPS, GateUnavailable, StreamGate, side_stream
 from xmig.proxy.oplog import (
     INPUT_ARGS,
     BufferPool,
@@ -34,10 +38,13 @@ from xmig.proxy.oplog import (
     tensors_in,
 )
 
+logger = logging.getLogger(__name__)
+
 FORWARDED_OPS = tuple(INPUT_ARGS)
 GPU_POLL_S = 50e-6
 
 BeforeOp = Callable[[int | None, int, str], None]
+GateFactory = Callable[[Any], Any]  # a device -> its gate (``StreamGate``)
 KEPT_INT_BROADCASTS = 8
 
 
@@ -109,7 +116,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
     Modes: ``normal`` (forward to the communicator), ``local`` (serve every op without the
     network: a replacement's prologue, or a step rolled back). ``before_op(step, index, op)`` runs
     before each op (fault injection); ``on_trouble(text)`` is called once when an op fails;
-    ``on_issue(record)`` sees each op before it goes out.
+    ``on_issue(record)`` sees each op before it goes out. ``gate``: complete the futures of
+    ``GATED_OPS`` on a GPU at once, behind a gate the proxy opens once the op has ended
+    well (``gate_factory`` makes a device's gate; a test's may gate CPU ops too).
     """
 
     def __init__(
@@ -122,6 +131,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         on_issue: Callable[[OpRecord], None] | None = None,
         group: str = "world",
         sequence: OpSequence | None = None,
+        gate: bool = False,
+        gate_factory: GateFactory | None = None,
     ) -> None:
         super().__init__(communicator.rank, communicator.size)
         self.communicator = communicator
@@ -157,6 +168,11 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.issued = 0
         self._queue: deque[OpRecord] = deque()
         self._cv = threading.Condition()
+        self.gate = gate  # the gate is wanted; ``gating``: it is used now (not in a recovery)
+        self.gating = gate
+        self._gate_factory: GateFactory = gate_factory or StreamGate
+        self._gates: dict[Any, Any] = {}  # device -> its gate
+        self._gate_cpu = gate_factory is not None  # only a test's gates stand on the CPU
         self._group_name = ""
         self._waiter = threading.Thread(target=self._wait_loop, name="xmig-proxy", daemon=True)
         self._waiter.start()
@@ -254,6 +270,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._log_inputs(record)
             self.log_copy_seconds += time.perf_counter() - started
             self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
+        if self.gate and device is not None:
+            record.logged_event = torch.cuda.Event()
+            record.logged_event.record()
         trouble = None
         with self._cv:
             self.log.append(record)
@@ -269,10 +288,75 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     self.trouble = trouble
             elif not self.halted and all(r.state == "launched" for r in earlier):
                 self._launch(record)
+                if record.state == "launched" and self.gating and op in GATED_OPS:
+                    gate = self._gate_of(device)
+                    if gate is not None:
+                        record.gate, record.gate_number = gate, gate.hold()
             self._cv.notify_all()
         if trouble is not None and self.on_trouble is not None:
             self.on_trouble(trouble)
+        if record.gate_number is not None:
+            # the result's event is recorded on the gate stream: whoever waits for the
+            # future waits for the gate to open
+            with _on_stream(device, record.gate):
+                future.set_result(record.outputs_of(args))
         return _create_work_from_future(future)
+
+    def _gate_of(self, device: Any) -> Any:
+        """The gate of ``device`` (made on first use), or None where there can be none."""
+        if device is None and not self._gate_cpu:
+            return None
+        gate = self._gates.get(device)
+        if gate is None and device not in self._gates:
+            try:
+                gate = self._gate_factory(device)
+            except GateUnavailable as exc:
+                logger.warning("the GPU gate is off: %s; collectives complete on the host", exc)
+                gate = None
+            self._gates[device] = gate
+        return gate
+
+    def gates_closed(self) -> bool:
+        """Whether an op's gate is still shut (its collective not yet known to be done)."""
+        return any(g is not None and g.closed for g in list(self._gates.values()))
+
+    def shut_gates(self) -> list[Any]:
+        """The gates some op's number has not opened yet."""
+        return [g for g in list(self._gates.values()) if g is not None and g.closed]
+
+    def wait_gates_open(self, timeout: float) -> bool:
+        """Wait until every gated op has ended well (False after ``timeout`` seconds): at a
+        step boundary, so that no op of the step ends (or fails) after the next began."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.gates_closed():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return True
+
+    def first_closed(self) -> OpRecord | None:
+        """The earliest op whose gate is still shut."""
+        with self._cv:
+            return next((r for r in self._queue if r.gate_number is not None
+                         and r.gate.released < r.gate_number), None)  # fmt: skip
+
+    def suspend_gating(self) -> None:
+        """Ops issued from now on complete on the host (a recovery is under way)."""
+        with self._cv:
+            self.gating = False
+
+    def resume_gating(self) -> None:
+        with self._cv:
+            self.gating = self.gate
+
+    def _release(self, record: OpRecord) -> None:
+        """Open ``record``'s gate, in-stream on the current stream (after what this thread
+        did to its outputs), and wake whoever waits for the gates."""
+        record.gate.release(record.gate_number)
+        with self._cv:
+            self._cv.notify_all()
 
     def _log_inputs(self, record: OpRecord) -> None:
         # on GPU the copies run on the issuing thread's stream, before the launch: NCCL's
@@ -310,7 +394,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if record.int_broadcast is not None:
             record.int_broadcast.local = True
             record.int_broadcast.received = tensors_in(record.args[0])[0].detach().clone()
-        record.future.set_result(outputs)
+        if record.gate_number is not None:  # its future was completed behind the gate
+            self._release(record)
+        else:
+            record.future.set_result(outputs)
 
     # ---- completing -------------------------------------------------------------------------
     def _wait_loop(self) -> None:
@@ -329,7 +416,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 # collective that a fault can still break (and read its half-written output).
                 while not self.halted and record.work is work and not work.is_completed():
                     time.sleep(GPU_POLL_S)
-            with self._cv:
+            with _on_stream(record.device, record.gate and _WAITER), self._cv:
                 if self.halted or not self._queue or self._queue[0] is not record:
                     continue  # recovery took this op over
                 if record.work is not work:
@@ -348,12 +435,17 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 else:
                     self._queue.popleft()
                     record.state = "done"
+                    # (gated: on the waiter's stream, which then opens the gate)
                     self._take_result(record)
                     self._remember(record)
                     callback = None
+                    if record.gate_number is not None:
+                        # under the lock: a recovery that halts finds the op either still
+                        # queued with its gate shut, or done with its gate open
+                        self._release(record)
             if callback is not None:
                 callback(error)
-            elif error is None:
+            elif error is None and record.gate_number is None:
                 _complete(record, record.work, value)
 
     def _remember(self, record: OpRecord) -> None:
@@ -453,6 +545,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     with torch.no_grad():
                         tensors_in(record.args[0])[0].copy_(record.int_broadcast.sent)
                 else:
+                    _after_logged(record)
                     record.restore_inputs()
                 self._serve_locally(record)
             self._cv.notify_all()
@@ -510,6 +603,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         """Re-issue one logged op: a done one with its logged inputs into scratch outputs
         (returns whether its result is its first one, None if that cannot be told), a pending
         one for real (its result completes the framework's future; returns None)."""
+        _after_logged(record)
         if not pending:
             if record.inputs is None:
                 raise RuntimeError(f"op {record.index} of step {record.step} was not logged")
@@ -525,7 +619,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._queue.remove(record)
             record.state, record.error, record.work = "done", None, work
             self._remember(record)
-        _complete(record, work, value)
+        if record.gate_number is not None:  # its future was completed behind the gate
+            self._release(record)
+        else:
+            _complete(record, work, value)
         return None
 
     @staticmethod
@@ -553,6 +650,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._queue.clear()
             self.mode = "local"
         for record in pending:
+            _after_logged(record)
             record.restore_inputs()
             self._serve_locally(record)
 
@@ -562,6 +660,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.mode = mode
             self.halted = False
             self.trouble = None
+            self.gating = self.gate
             for record in self._queue:
                 record.state, record.error, record.work = "queued", None, None
                 record.done_event = threading.Event()
@@ -584,8 +683,10 @@ def replay_groups(
     work = [(proxy, record, pending) for proxy in proxies
             for record, pending in proxy.to_replay(from_step)]  # fmt: skip
     work.sort(key=lambda item: item[1].seq)
-    for device in {r.device for _, r, _ in work if r.device is not None}:
-        torch.cuda.synchronize(device)  # the logged copies, made on the framework's stream
+    # the logged copies, made on the framework's stream: with the gate on, each op waits for
+    # its own (the framework's stream may be held by a gate this replay opens)
+    for device in {r.device for _, r, _ in work if r.device is not None and r.logged_event is None}:
+        torch.cuda.synchronize(device)
     for proxy, record, pending in work:
         same = proxy.replay_one(record, pending, timeout)
         if pending:
@@ -615,6 +716,24 @@ def wait_for_aborts(timeout: float) -> bool:
     with _ABORTS_LOCK:
         _ABORTS[:] = [t for t in _ABORTS if t.is_alive()]
         return not _ABORTS
+
+
+_WAITER = "proxy-waiter"
+
+
+def _on_stream(device: Any, role: Any) -> contextlib.AbstractContextManager[Any]:
+    """Run on a stream of the proxy's own (``role`` a name) or a gate's stream (``role`` a
+    gate); nothing to do on the CPU or without a role."""
+    if device is None or not role:
+        return contextlib.nullcontext()
+    stream = role.stream if hasattr(role, "stream") else side_stream(device, role)
+    return torch.cuda.stream(stream)
+
+
+def _after_logged(record: OpRecord) -> None:
+    """The current stream waits for ``record``'s inputs to be logged (gates on)."""
+    if record.logged_event is not None:
+        torch.cuda.current_stream(record.device).wait_event(record.logged_event)
 
 
 def _as_async(args: tuple[Any, ...]) -> None:

@@ -20,6 +20,7 @@ from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup
 from xmig.worker.backend import Comms, device_of
 from xmig.worker.errors import exit_now
+from xmig.worker.gates import QueuedUpdate
 from xmig.worker.groups import Groups
 from xmig.worker.orders import Orders
 from xmig.worker.phase import Phase
@@ -103,6 +104,8 @@ class WorkerContext:
         self.completed_steps = 0
         self.optimizer_stepped = False
         self.optimizer_waiting = False
+        # the step's optimizer update, queued on the GPU behind a shut gate (``gates``)
+        self.queued_update: QueuedUpdate | None = None
         self.finished = False  # the loop is done: the rank stays to serve peers until released
         self.recoveries_started = 0
         self._replicas: list[int] | None | object = _UNKNOWN
@@ -118,7 +121,19 @@ class WorkerContext:
         """The step whose start this rank's state is."""
         if self.step is None:
             return None
-        return self.step + 1 if self.optimizer_stepped else self.step
+        return self.step + 1 if self.optimizer_stepped and not self.update_queued() else self.step
+
+    def update_queued(self) -> bool:
+        """Whether the step's optimizer update waits on the GPU behind a shut gate."""
+        queued = self.queued_update
+        return queued is not None and queued.pending()
+
+    def recovery_state(self) -> dict[str, Any]:
+        """The state a peer pulls or a checkpoint keeps: as of the start of ``state_step``."""
+        queued = self.queued_update
+        if queued is not None and queued.pending():
+            return queued.state(self.state_dict())
+        return self.state_dict()
 
     def replicas(self) -> list[int] | None:
         """The ranks whose registered state is this rank's, by construction: the ranks of the

@@ -7,6 +7,7 @@ from typing import Any
 
 from xmig.worker.context import WorkerContext
 from xmig.worker.errors import RecoveryFailed, XmigError
+from xmig.worker.gates import queue_update
 
 
 def _no_update(*_args: Any, **_kwargs: Any) -> None:
@@ -39,6 +40,9 @@ class OptimizerGate:
                 "a rollback was decided while this rank's optimizer was starting its update, "
                 "which cannot be undone"
             )
+        # the CPU is ahead of the step's collectives: the update goes on the GPU behind
+        # their gates, and the state as it begins is what a recovery meanwhile reads
+        ctx.queued_update = queue_update(ctx)
 
     def after(self, *_args: Any) -> None:
         self._ctx.optimizer_stepped = True

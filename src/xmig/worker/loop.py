@@ -106,6 +106,7 @@ class StepLoop:
                     ctx.registry.at_boundary(step)
                     ctx.step = step
                     ctx.optimizer_stepped = False
+                    ctx.queued_update = None
                     reseed(ctx.seed, ctx.rank, step)
                     for proxy in ctx.groups.proxies():
                         proxy.begin_step(step)
@@ -119,6 +120,7 @@ class StepLoop:
                 # end's own pseudo-step, which a replacement reaches and redoes too
                 ctx.step = total
                 ctx.optimizer_stepped = False
+                ctx.queued_update = None
                 ctx.registry.at_boundary(total)
                 for proxy in ctx.groups.proxies():
                     proxy.begin_step(total)
@@ -132,6 +134,13 @@ class StepLoop:
 
     def _end_of_step(self, step: int) -> int:
         """The boundary after ``step``: the next step, or an earlier one to redo."""
+        ctx = self._ctx
+        # (GPU gate) the step's collectives end, or fail, before the next step begins
+        bound = 2 * ctx.env.recovery_timeout
+        for proxy in ctx.groups.proxies():
+            if not proxy.wait_gates_open(bound):
+                raise RecoveryFailed(f"the collectives of step {step} did not end within "
+                                     f"{bound:.0f} s")  # fmt: skip
         self._ctx.completed_steps = step + 1
         self._layout.end_of_step(step)
         redo = self._survivor.redo_at_boundary(step)

@@ -23,6 +23,7 @@ from xmig.wire import WireError
 from xmig.worker import pull
 from xmig.worker.context import STATE_LOCK_TIMEOUT_S, WorkerContext
 from xmig.worker.errors import RecoveryFailed
+from xmig.worker.gates import after_framework, clone_state, recovery_stream, resume_gating
 from xmig.worker.groups import WORLD, Group
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.layout import DdpLayout
@@ -100,12 +101,14 @@ class Survivor:
                 self._parks.put(park)
                 return
             if isinstance(park, protocol.SaveState):
-                self._save_own(park)
+                with recovery_stream(self._ctx):
+                    self._save_own(park)
                 continue
             token = object()
             self._current = token
             try:
-                self.recover(park, token)
+                with recovery_stream(self._ctx):
+                    self.recover(park, token)
             except Superseded as exc:
                 logger.info("rank %d: %s", self._ctx.rank, exc)
             except Exception as exc:
@@ -150,6 +153,10 @@ class Survivor:
         for group in rebuilt:
             group.proxy.halt()
             group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
+        after_framework(ctx)  # (GPU gate) what the recovery reads is the framework's, so far
+        if ctx.update_queued():
+            logger.info("rank %d: the update of step %s waits behind a shut gate: this rank's "
+                        "state is that of the step's start", ctx.rank, ctx.step)  # fmt: skip
         if self._layout.root in park.replaced:
             self._finish_layout_locally()
         still_mine()
@@ -198,6 +205,7 @@ class Survivor:
                 group.proxy.resume()
         else:
             self.roll_back(plan.step, rebuilt)
+        resume_gating(ctx)
         with self._lock:
             if token is not None and self._current is not token:
                 raise Superseded("this recovery was given up for a later park")
@@ -248,7 +256,7 @@ class Survivor:
         would have pulled from it."""
         ctx = self._ctx
         payload = ReplacementPayload(step=step, mode="resume", first_step=ctx.first_step,
-                                     state=ctx.state_dict(),
+                                     state=ctx.recovery_state(),
                                      ddp=self._layout.outgoing(step, False))  # fmt: skip
         return payload.to_wire()
 
@@ -267,6 +275,7 @@ class Survivor:
                 except Exception:
                     ctx.state_lock.release()
                     raise
+            after_framework(ctx)
             step = ctx.state_step
             if step is None:
                 raise RecoveryFailed("this rank has not reached its step loop")
@@ -396,7 +405,7 @@ class Survivor:
             step=plan.step,
             mode=plan.mode,
             first_step=ctx.first_step,
-            state=ctx.state_dict(),
+            state=ctx.recovery_state(),
             ddp=self._layout.outgoing(plan.step, plan.verify_ready_order),
             signatures=signatures,
             results=results,
@@ -407,9 +416,15 @@ class Survivor:
     def roll_back(self, resume_step: int, rebuilt: list[Group] | None = None) -> None:
         """Finish the current step without the network or an optimizer update, then go on
         from ``resume_step`` with the state as of its start (``redo_at_boundary``)."""
-        optimizer = self._ctx.registry.optimizer()
-        if optimizer is not None and not self._ctx.optimizer_stepped:
+        ctx = self._ctx
+        optimizer = ctx.registry.optimizer()
+        if optimizer is not None and not ctx.optimizer_stepped:
             self._gate.skip_update(optimizer)  # this step's update must not happen
+        elif ctx.update_queued() and self._stash is None:
+            # the update waits on the GPU behind the gates this rollback opens, and cannot
+            # be withdrawn: the step's starting state is copied first, and loaded again at
+            # the boundary (after the update has run)
+            self._stash = clone_state(ctx.recovery_state())
         self._redo_from = resume_step
         self._rolled_back = rebuilt if rebuilt is not None else self._ctx.groups.all()
         for group in self._rolled_back:

@@ -1,0 +1,107 @@
+"""A gate on the GPU: the framework's work that reads a collective's result waits on the GPU,
+not on the host, until the proxy knows the collective has ended well.
+
+The proxy completes a gated op's future at once, on a gate stream that waits
+(``cuStreamWaitValue32``) until a counter in pinned host memory reaches the op's number; the
+number is written once the collective has finished without error (``release``, in-stream on
+the releasing thread's stream, after whatever that thread did to the op's outputs). The CPU
+runs ahead as with a plain process group; a collective a fault breaks leaves its number
+unwritten, and nothing that reads its output runs until a recovery has put the right values
+in and released it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# the ops whose futures go through the gate: DDP's bucket all-reduces. Others (DDP's layout
+# broadcasts, read on the host at once; FSDP2's gathers) are completed once the GPU is done.
+GATED_OPS = frozenset({"allreduce"})
+
+
+class GateUnavailable(RuntimeError):
+    """The driver API that a gate needs is missing here."""
+
+
+class StreamGate:
+    """One device's gate: a counter the GPU waits on, and the numbers handed out so far.
+
+    ``hold`` and ``release`` are called in the order ops are issued and complete (one
+    proxy's ops complete in issue order); the counter only grows, so releasing a number
+    opens every gate up to it. The counter is 32 bits: 4 billion ops per proxy."""
+
+    def __init__(self, device: torch.device) -> None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:  # pragma: no cover - cuda-bindings is in the gpu extra
+            raise GateUnavailable(f"cuda-bindings is not installed ({exc})") from None
+        self._driver = driver
+        self.device = device
+        with torch.cuda.device(device):
+            self._counter = torch.zeros(1, dtype=torch.int32).pin_memory()
+            err, self._address = driver.cuMemHostGetDevicePointer(self._counter.data_ptr(), 0)
+            _check(driver, err, "cuMemHostGetDevicePointer")
+            self.stream = torch.cuda.Stream(device)
+        self._lock = threading.Lock()
+        self.issued = 0
+        self.released = 0
+
+    def hold(self) -> int:
+        """The gate stream waits until the counter reaches the next number: that number."""
+        driver = self._driver
+        with self._lock:
+            self.issued += 1
+            number = self.issued
+            (err,) = driver.cuStreamWaitValue32(
+                driver.CUstream(self.stream.cuda_stream), self._address,
+                driver.cuuint32_t(number), driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+            )  # fmt: skip
+        _check(driver, err, "cuStreamWaitValue32")
+        return number
+
+    def release(self, number: int, stream: Any = None) -> None:
+        """Open the gate up to ``number``: written by ``stream`` once its work so far is done
+        (the current stream if None)."""
+        driver = self._driver
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        (err,) = driver.cuStreamWriteValue32(
+            driver.CUstream(stream.cuda_stream), self._address, driver.cuuint32_t(number),
+            driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
+        )  # fmt: skip
+        _check(driver, err, "cuStreamWriteValue32")
+        with self._lock:
+            self.released = max(self.released, number)
+
+    @property
+    def closed(self) -> bool:
+        """Whether some number handed out is not released yet."""
+        with self._lock:
+            return self.released < self.issued
+
+
+def _check(driver: Any, err: Any, what: str) -> None:
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise GateUnavailable(f"{what}: {err}")
+
+
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """A stream of this process's own for ``role`` (the proxy's waiter, a recovery): work
+    outside the framework's step must not queue on the framework's stream, which a closed
+    gate may hold."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           hash(role))  # fmt: skip
+    with _SIDE_LOCK:
+        stream = _SIDE_STREAMS.get(key)
+        if stream is None:
+            stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+        return stream

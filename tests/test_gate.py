@@ -1,0 +1,276 @@
+"""The GPU gate's bookkeeping, on the CPU: a test's gate stands in for the GPU's counter, and
+a communicator whose ops end when the test says so stands in for NCCL.
+
+On a GPU the framework's stream waits for the gate; here the tests check what the proxy and
+the worker decide: a gated op's future is complete at once, its gate opens only once the op
+has ended well, a failed op's stays shut until a replay (or a rollback) has put its result
+in, ops issued during a recovery complete on the host, and an optimizer update issued behind
+a shut gate counts as not taken, its state read from the snapshot taken as it began."""
+
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from xmig.ccl import Communicator
+from xmig.proxy import ProxyProcessGroup, replay_groups
+from xmig.worker.context import WorkerContext
+from xmig.worker.gates import QueuedUpdate, clone_state, queue_update, snapshot
+from xmig.worker.hooks import OptimizerGate
+
+
+class FakeGate:
+    """The GPU's counter, on the host."""
+
+    def __init__(self, device):
+        self.device = device
+        self.issued = 0
+        self.released = 0
+        self.releases = []
+
+    def hold(self):
+        self.issued += 1
+        return self.issued
+
+    def release(self, number, stream=None):
+        self.releases.append(number)
+        self.released = max(self.released, number)
+
+    @property
+    def closed(self):
+        return self.released < self.issued
+
+
+class FutureWork(dist.Work):
+    """A work whose future fails as a broken communicator's does (``value()`` raises)."""
+
+    def __init__(self, future):
+        super().__init__()
+        self._future = future
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._future.done()
+
+    def wait(self, timeout=None):
+        self._future.wait()
+        return True
+
+
+class Controlled:
+    """A backend whose all-reduces end when the test ends them (sums over one rank)."""
+
+    def __init__(self):
+        self.futures = []
+
+    def allreduce(self, tensors, opts=None):
+        future = torch.futures.Future()
+        self.futures.append((future, tensors))
+        return FutureWork(future)
+
+    def end(self, index, error=None):
+        future, tensors = self.futures[index]
+        if error is not None:
+            future.set_exception(RuntimeError(error))
+        else:
+            future.set_result(tensors)
+
+
+def _gated_proxy():
+    comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    gates = []
+
+    def make(device):
+        gates.append(FakeGate(device))
+        return gates[-1]
+
+    proxy = ProxyProcessGroup(comm, gate=True, gate_factory=make)
+    backend = Controlled()
+    comm.backend = backend
+    return proxy, backend, gates
+
+
+def _until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _allreduce(proxy, tensor):
+    return proxy.allreduce([tensor], dist.AllreduceOptions())
+
+
+def test_a_gated_op_is_complete_at_once_and_its_gate_opens_once_it_has_ended():
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(0)
+    work = _allreduce(proxy, torch.ones(2))
+    assert work.get_future().done()  # the framework runs ahead
+    assert gates[0].issued == 1 and proxy.gates_closed()
+    assert not proxy.wait_gates_open(0.1)  # the op has not ended
+    backend.end(0)
+    assert proxy.wait_gates_open(5.0)
+    assert gates[0].releases == [1] and not proxy.shut_gates()
+
+
+def test_gates_open_in_the_order_the_ops_end():
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(0)
+    for _ in range(3):
+        _allreduce(proxy, torch.ones(2))
+    backend.end(1)  # the waiter completes in issue order: nothing opens before op 0 ends
+    time.sleep(0.05)
+    assert gates[0].releases == []
+    backend.end(0)
+    backend.end(2)
+    assert proxy.wait_gates_open(5.0)
+    assert gates[0].releases == [1, 2, 3]
+
+
+def test_a_failed_op_keeps_its_gate_shut_until_the_replay_puts_its_result_in():
+    proxy, backend, gates = _gated_proxy()
+    troubles = []
+    proxy.on_trouble = troubles.append
+    proxy.begin_step(4)
+    tensor = torch.full((3,), 2.0)
+    _allreduce(proxy, tensor)
+    tensor.fill_(7.0)  # a broken in-place op may leave anything in its output
+    backend.end(0, error="peer gone")
+    _until(lambda: proxy.halted)
+    assert troubles and gates[0].releases == []
+    assert proxy.first_closed() is not None and proxy.first_closed().index == 0
+    proxy.halt()
+    fresh = Communicator("gloo", "world", 1, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    proxy.switch(fresh)
+    replay_groups([proxy], 4, timeout=10.0)
+    assert gates[0].releases == [1] and not proxy.gates_closed()
+    assert tensor.tolist() == [2.0, 2.0, 2.0]  # the logged input, all-reduced over one rank
+    assert proxy.first_closed() is None
+
+
+def test_a_rollback_opens_the_gate_of_a_pending_op_with_the_ranks_own_input():
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(2)
+    tensor = torch.full((2,), 3.0)
+    _allreduce(proxy, tensor)
+    tensor.fill_(-1.0)
+    proxy.halt()
+    proxy.skip_rest_of_step()
+    assert gates[0].releases == [1]
+    assert tensor.tolist() == [3.0, 3.0]
+
+
+def test_ops_issued_during_a_recovery_complete_on_the_host():
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(0)
+    proxy.suspend_gating()
+    work = _allreduce(proxy, torch.ones(2))
+    assert not work.get_future().done() and not gates  # no gate made, none used
+    backend.end(0)
+    _until(lambda: work.get_future().done())
+    proxy.resume_gating()
+    assert _allreduce(proxy, torch.ones(2)).get_future().done() and gates[0].issued == 1
+
+
+def test_the_layout_broadcasts_are_not_gated():
+    proxy, _backend, gates = _gated_proxy()
+    proxy.communicator.backend = Communicator(
+        "gloo", "world", 2, dist.HashStore(), 0, 1, timedelta(seconds=10)
+    ).backend
+    proxy.begin_step(0)
+    tensor = torch.tensor([1, 2], dtype=torch.int32)
+    proxy.broadcast([tensor], dist.BroadcastOptions()).wait()
+    assert not gates
+
+
+def test_a_cpu_proxy_has_no_gate_without_a_tests_factory():
+    comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    proxy = ProxyProcessGroup(comm, gate=True)
+    proxy.begin_step(0)
+    tensor = torch.ones(2)
+    _allreduce(proxy, tensor).wait()
+    assert not proxy.gates_closed() and not proxy._gates
+
+
+# ---- the worker's side -------------------------------------------------------------------------
+
+
+def test_a_snapshot_copies_host_tensors_and_the_rest():
+    step = torch.tensor(4.0)
+    state = {"optimizer": {"state": {0: {"step": step, "exp_avg": torch.ones(2)}},
+                           "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}}  # fmt: skip
+    taken = snapshot(state)
+    step += 1
+    state["optimizer"]["param_groups"][0]["lr"] = 0.2
+    assert taken["optimizer"]["state"][0]["step"].item() == 4.0
+    assert taken["optimizer"]["param_groups"][0] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    cloned = clone_state(state)
+    assert (
+        cloned["optimizer"]["state"][0]["exp_avg"] is not state["optimizer"]["state"][0]["exp_avg"]
+    )
+
+
+def test_an_update_issued_behind_a_shut_gate_counts_as_not_taken_until_it_opens():
+    proxy, backend, gates = _gated_proxy()
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = torch.optim.AdamW([param], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    ctx = SimpleNamespace(
+        step=6, state_lock=threading.Lock(), optimizer_waiting=False, optimizer_stepped=False,
+        env=SimpleNamespace(recovery_timeout=1.0),
+        injector=SimpleNamespace(at_point=lambda step, point: None),
+        groups=SimpleNamespace(proxies=lambda: [proxy]), queued_update=None,
+        registry=SimpleNamespace(objects={"optimizer": optimizer, "scheduler": scheduler},
+                                 streams={}),
+    )  # fmt: skip
+
+    def current():
+        return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+    optimizer.step()  # the step counts exist
+    before = optimizer.state_dict()["state"][0]["step"].item()
+    gate = OptimizerGate(ctx)
+    optimizer.register_step_pre_hook(gate.before)
+    optimizer.register_step_post_hook(gate.after)
+    proxy.begin_step(6)
+    _allreduce(proxy, torch.ones(2))  # the step's last bucket, still on the wire
+    optimizer.step()
+    scheduler.step()  # after the update, on the host: the learning rate halves
+    queued = ctx.queued_update
+    assert isinstance(queued, QueuedUpdate) and queued.pending() and ctx.optimizer_stepped
+    assert optimizer.state_dict()["state"][0]["step"].item() == before + 1
+    served = queued.state(current())
+    assert served["optimizer"]["state"][0]["step"].item() == before
+    assert served["optimizer"]["param_groups"][0]["lr"] == 0.5
+    assert served["optimizer"]["param_groups"][0]["params"] == [0]
+    assert served["scheduler"]["last_epoch"] == scheduler.state_dict()["last_epoch"] - 1
+    # the position a recovery reports
+    assert WorkerContext.state_step.fget(_position(ctx)) == 6
+    backend.end(0)
+    assert proxy.wait_gates_open(5.0) and not queued.pending()
+    assert WorkerContext.state_step.fget(_position(ctx)) == 7
+
+
+def _position(ctx):
+    """A stand-in WorkerContext with ``ctx``'s position (``state_step`` reads only these)."""
+    stand_in = SimpleNamespace(step=ctx.step, optimizer_stepped=ctx.optimizer_stepped,
+                               queued_update=ctx.queued_update)  # fmt: skip
+    stand_in.update_queued = lambda: WorkerContext.update_queued(stand_in)
+    return stand_in
+
+
+def test_no_snapshot_when_every_gate_is_open():
+    proxy, backend, _ = _gated_proxy()
+    proxy.begin_step(0)
+    _allreduce(proxy, torch.ones(1))
+    backend.end(0)
+    assert proxy.wait_gates_open(5.0)
+    registry = SimpleNamespace(objects={"optimizer": None}, streams={})
+    ctx = SimpleNamespace(groups=SimpleNamespace(proxies=lambda: [proxy]), registry=registry)
+    assert queue_update(ctx) is None  # (an optimizer of None would fail a snapshot)
