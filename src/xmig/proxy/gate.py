@@ -47,7 +47,7 @@ class StreamGate:
             self._counter = torch.zeros(1, dtype=torch.int32).pin_memory()
             err, self._address = driver.cuMemHostGetDevicePointer(self._counter.data_ptr(), 0)
             _check(driver, err, "cuMemHostGetDevicePointer")
-            self.stream = torch.cuda.Stream(device)
+            self.stream = dedicated_stream(device)
         self._lock = threading.Lock()
         self.issued = 0
         self.released = 0
@@ -90,18 +90,33 @@ def _check(driver: Any, err: Any, what: str) -> None:
         raise GateUnavailable(f"{what}: {err}")
 
 
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+def dedicated_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A stream that nothing else uses. Not ``torch.cuda.Stream()``: that hands out the
+    streams of a pool of 32 in turn, which NCCL's communicators and the framework draw from
+    too; a gate stream that is also the stream its opener writes on, or a communicator's,
+    would wait for itself."""
+    from cuda.bindings import driver
+
+    with torch.cuda.device(device):
+        torch.cuda.init()
+        err, stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        _check(driver, err, "cuStreamCreate")
+        _KEPT_STREAMS.append(stream)  # for the process's lifetime: streams are few
+        return torch.cuda.ExternalStream(int(stream), device=device)
+
+
+_KEPT_STREAMS: list[Any] = []
+_SIDE_STREAMS: dict[tuple[int, str], torch.cuda.ExternalStream] = {}
 _SIDE_LOCK = threading.Lock()
 
 
-def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+def side_stream(device: torch.device, role: str) -> torch.cuda.ExternalStream:
     """A stream of this process's own for ``role`` (the proxy's waiter, a recovery): work
     outside the framework's step must not queue on the framework's stream, which a closed
     gate may hold."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           hash(role))  # fmt: skip
+    index = device.index if device.index is not None else torch.cuda.current_device()
     with _SIDE_LOCK:
-        stream = _SIDE_STREAMS.get(key)
+        stream = _SIDE_STREAMS.get((index, role))
         if stream is None:
-            stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+            stream = _SIDE_STREAMS[(index, role)] = dedicated_stream(torch.device("cuda", index))
         return stream
