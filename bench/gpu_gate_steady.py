@@ -5,10 +5,10 @@
 
 Each run is ``bench/proxy_overhead.py`` under ``xmig run`` (one rank, DDP over NCCL, the
 replay log on): plain DDP and DDP through xmig in the same process, steps alternating. Runs
-alternate between the gate (xmig's default) and ``--no-gpu-gate`` (the future completed on
-the host once the GPU is done, xmig's way before the gate) in the order gate, host, host,
-gate per round. Ratio: the median of the per-step xmig/plain ratios after the warm-up, with
-its quartiles.
+alternate between the gate (``--gpu-gate``), ``--no-gpu-gate`` (the future completed on
+the host once the GPU is done, xmig's default) and, if asked, the gate without
+the replay log, in the order A B … B A per round. Ratio: the median of the per-step
+xmig/plain ratios after the warm-up, with its quartiles.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ import torch
 from recovery_cpu import OVERHEAD, WARMUP_STEPS, bounded, machine, write_report
 
 MODEL = ["--preset", "gpt350m", "--batch-size", "8"]
-VARIANTS = {"gate": [], "host": ["--no-gpu-gate"]}
+# "nolog": the gate without the replay log, what the log's copies cost (not a mode to run:
+# without the log a fault in a collective cannot be replayed)
+VARIANTS = {"gate": ["--gpu-gate"], "host": ["--no-gpu-gate"],
+            "nolog": ["--gpu-gate", "--no-replay-log"]}  # fmt: skip
 
 
 def one_run(work: Path, name: str, flags: list[str], steps: int, timeout: float) -> dict:
@@ -48,7 +51,8 @@ def one_run(work: Path, name: str, flags: list[str], steps: int, timeout: float)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of gate, host, host, gate")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of A B … B A")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["gate", "host"])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
@@ -60,8 +64,8 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="xmig-gate-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows, by_variant = [], {name: [] for name in VARIANTS}
-    order = ["gate", "host", "host", "gate"] * args.rounds
+    rows, by_variant = [], {name: [] for name in args.variants}
+    order = [*args.variants, *reversed(args.variants)] * args.rounds
     for i, variant in enumerate(order):
         try:
             result = one_run(work, f"{i}-{variant}", VARIANTS[variant], args.steps,
@@ -85,10 +89,11 @@ def main() -> int:
         "## Steady state: the GPU gate against completion on the host (one session, ABBA)",
         "",
         f"Measured {started} with `python bench/gpu_gate_steady.py --rounds {args.rounds} "
-        f"--steps {args.steps}` on {torch.cuda.get_device_name(0)} ({machine()}; NCCL "
+        f"--steps {args.steps} --variants {' '.join(args.variants)}` on "
+        f"{torch.cuda.get_device_name(0)} ({machine()}; NCCL "
         f"{'.'.join(map(str, torch.cuda.nccl.version()))}): `{' '.join(MODEL)}`, one rank, "
-        "DDP over NCCL, the replay log on; per run, plain DDP and DDP through xmig in one "
-        "process, steps alternating.",
+        "DDP over NCCL, the replay log on (but in nolog); per run, plain DDP and DDP "
+        "through xmig in one process, steps alternating.",
         "",
         "| run | completion | plain ms/step | xmig ms/step | ratio | q1 – q3 |",
         "|---|---|---|---|---|---|",

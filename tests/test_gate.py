@@ -274,3 +274,21 @@ def test_no_snapshot_when_every_gate_is_open():
     registry = SimpleNamespace(objects={"optimizer": None}, streams={})
     ctx = SimpleNamespace(groups=SimpleNamespace(proxies=lambda: [proxy]), registry=registry)
     assert queue_update(ctx) is None  # (an optimizer of None would fail a snapshot)
+
+
+def test_a_waiter_that_fails_is_a_fault_not_a_hang():
+    proxy, backend, gates = _gated_proxy()
+    troubles = []
+    proxy.on_trouble = troubles.append
+
+    def broken_release(number, stream=None):
+        raise RuntimeError("the driver refused the write")
+
+    proxy.begin_step(0)
+    _allreduce(proxy, torch.ones(2))
+    gates[0].release = broken_release
+    backend.end(0)
+    _until(lambda: troubles)
+    assert proxy.halted and "waiter failed" in troubles[0] and "refused" in troubles[0]
+    assert gates[0].closed  # the gate stays shut: nothing reads a result not known good
+    assert proxy._waiter.is_alive()  # it waits for the recovery that un-halts it

@@ -51,9 +51,10 @@ def test_the_cli_spells_the_other_defaults_from_the_spec():
     defaults = _cli_defaults()
     assert defaults["nnodes"] == str(jobspec.DEFAULT_NNODES)
     assert defaults["no_replay_log"] is (not jobspec.DEFAULT_KEEP_LOG)
+    assert defaults["gpu_gate"] is jobspec.DEFAULT_GPU_GATE is False  # experimental: opt-in
 
 
-@pytest.mark.parametrize("name", ["recovery_timeout", "heartbeat_interval", "keep_log"])
+@pytest.mark.parametrize("name", ["recovery_timeout", "heartbeat_interval", "keep_log", "gpu_gate"])
 def test_the_worker_environment_uses_the_specs_defaults(name):
     bare = WorkerEnv(rank=0, local_rank=0, world_size=1, master_addr="h", master_port=1)
     assert getattr(bare, name) == _field_default(name)

@@ -32,7 +32,8 @@ DEFAULT_AGENT_CONNECT_TIMEOUT_S = 60.0
 # image pulled, a Slurm step started): torchrun waits as long for its rendezvous
 DEFAULT_HOST_JOIN_TIMEOUT_S = 600.0
 DEFAULT_KEEP_LOG = True
-DEFAULT_GPU_GATE = True
+# off: a fault behind an update queued at a shut gate still hangs its recovery on the GPU
+DEFAULT_GPU_GATE = False
 DEFAULT_RECOVERY_TIMEOUT_S = 120.0
 DEFAULT_MAX_RECOVERIES = 10
 DEFAULT_HOT_SPARES = 1

@@ -3,8 +3,8 @@ not on the host, until the proxy knows the collective has ended well.
 
 The proxy completes a gated op's future at once, on a gate stream that waits
 (``cuStreamWaitValue32``) until a counter in pinned host memory reaches the op's number; the
-number is written once the collective has finished without error (``release``, in-stream on
-the releasing thread's stream, after whatever that thread did to the op's outputs). The CPU
+number is written once the collective has finished without error (``release``: by the host,
+once whatever the releasing thread did to the op's outputs is done). The CPU
 runs ahead as with a plain process group; a collective a fault breaks leaves its number
 unwritten, and nothing that reads its output runs until a recovery has put the right values
 in and released it.
@@ -12,6 +12,7 @@ in and released it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any
@@ -47,6 +48,7 @@ class StreamGate:
             self._counter = torch.zeros(1, dtype=torch.int32).pin_memory()
             err, self._address = driver.cuMemHostGetDevicePointer(self._counter.data_ptr(), 0)
             _check(driver, err, "cuMemHostGetDevicePointer")
+            self._word = ctypes.c_int32.from_address(self._counter.data_ptr())
             self.stream = dedicated_stream(device)
         self._lock = threading.Lock()
         self.issued = 0
@@ -65,17 +67,17 @@ class StreamGate:
         _check(driver, err, "cuStreamWaitValue32")
         return number
 
-    def release(self, number: int, stream: Any = None) -> None:
-        """Open the gate up to ``number``: written by ``stream`` once its work so far is done
-        (the current stream if None)."""
-        driver = self._driver
-        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-        (err,) = driver.cuStreamWriteValue32(
-            driver.CUstream(stream.cuda_stream), self._address, driver.cuuint32_t(number),
-            driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
-        )  # fmt: skip
-        _check(driver, err, "cuStreamWriteValue32")
+    def release(self, number: int, after: Any = None) -> None:
+        """Open the gate up to ``number``, from the host, once the work ``after`` (a stream)
+        has queued so far is done: a plain store into the pinned counter, no driver call.
+        (A driver call can wait behind the framework's thread: an allocation there, while a
+        gate is shut, holds the driver until the GPU's streams drain, and they wait for the
+        gate. Measured: the release's ``cuStreamWriteValue32`` and an optimizer's first
+        ``zeros_like`` waited for each other for good.)"""
+        if after is not None:
+            after.synchronize()
         with self._lock:
+            self._word.value = max(self._word.value, number)
             self.released = max(self.released, number)
 
     @property
@@ -97,12 +99,24 @@ def dedicated_stream(device: torch.device) -> torch.cuda.ExternalStream:
     would wait for itself."""
     from cuda.bindings import driver
 
-    with torch.cuda.device(device):
-        torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.init()
+    # the driver API works on the calling thread's current context, and a thread that has
+    # made no CUDA call yet (the proxy's waiter, a recovery's) has none: push the device's
+    # primary context, the one torch works in, for the call
+    err, cu_device = driver.cuDeviceGet(index)
+    _check(driver, err, "cuDeviceGet")
+    err, context = driver.cuDevicePrimaryCtxRetain(cu_device)
+    _check(driver, err, "cuDevicePrimaryCtxRetain")
+    (err,) = driver.cuCtxPushCurrent(context)
+    _check(driver, err, "cuCtxPushCurrent")
+    try:
         err, stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
         _check(driver, err, "cuStreamCreate")
-        _KEPT_STREAMS.append(stream)  # for the process's lifetime: streams are few
-        return torch.cuda.ExternalStream(int(stream), device=device)
+    finally:
+        driver.cuCtxPopCurrent()
+    _KEPT_STREAMS.append(stream)  # for the process's lifetime: streams are few
+    return torch.cuda.ExternalStream(int(stream), device=torch.device("cuda", index))
 
 
 _KEPT_STREAMS: list[Any] = []

@@ -310,6 +310,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if gate is None and device not in self._gates:
             try:
                 gate = self._gate_factory(device)
+                if device is not None:
+                    side_stream(device, _WAITER)  # made here, on a thread with a context
             except GateUnavailable as exc:
                 logger.warning("the GPU gate is off: %s; collectives complete on the host", exc)
                 gate = None
@@ -351,10 +353,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
         with self._cv:
             self.gating = self.gate
 
-    def _release(self, record: OpRecord) -> None:
-        """Open ``record``'s gate, in-stream on the current stream (after what this thread
-        did to its outputs), and wake whoever waits for the gates."""
-        record.gate.release(record.gate_number)
+    def _release(self, record: OpRecord, wrote_outputs: bool = False) -> None:
+        """Open ``record``'s gate (once the GPU work this thread queued into its outputs is
+        done, if it queued any), and wake whoever waits for the gates."""
+        after = None
+        if wrote_outputs and record.device is not None:
+            after = torch.cuda.current_stream(record.device)
+        record.gate.release(record.gate_number, after)
         with self._cv:
             self._cv.notify_all()
 
@@ -395,12 +400,25 @@ class ProxyProcessGroup(dist.ProcessGroup):
             record.int_broadcast.local = True
             record.int_broadcast.received = tensors_in(record.args[0])[0].detach().clone()
         if record.gate_number is not None:  # its future was completed behind the gate
-            self._release(record)
+            self._release(record, wrote_outputs=True)
         else:
             record.future.set_result(outputs)
 
     # ---- completing -------------------------------------------------------------------------
     def _wait_loop(self) -> None:
+        while True:
+            try:
+                self._complete_in_order()
+            except Exception as exc:  # a dead waiter would leave every op hanging: a fault
+                logger.exception("the proxy's waiter failed")
+                with self._cv:
+                    self.halted = True
+                    self.trouble = f"the proxy's waiter failed: {type(exc).__name__}: {exc}"
+                    trouble, callback = self.trouble, self.on_trouble
+                if callback is not None:
+                    callback(trouble)
+
+    def _complete_in_order(self) -> None:
         while True:
             with self._cv:
                 while not self._queue or self.halted:
@@ -436,13 +454,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     self._queue.popleft()
                     record.state = "done"
                     # (gated: on the waiter's stream, which then opens the gate)
-                    self._take_result(record)
+                    took = self._take_result(record)
                     self._remember(record)
                     callback = None
                     if record.gate_number is not None:
                         # under the lock: a recovery that halts finds the op either still
                         # queued with its gate shut, or done with its gate open
-                        self._release(record)
+                        self._release(record, wrote_outputs=took)
             if callback is not None:
                 callback(error)
             elif error is None and record.gate_number is None:
@@ -486,12 +504,16 @@ class ProxyProcessGroup(dist.ProcessGroup):
         with self._cv:
             self._results.update(results)
 
-    def _take_result(self, record: OpRecord) -> None:
+    def _take_result(self, record: OpRecord) -> bool:
+        """Put the result its peers had into ``record``'s outputs, if one was handed over:
+        whether it did."""
         if record.step is None:
-            return
+            return False
         expected = self._results.pop((record.step, record.index), None)
         if expected is not None and record.take_result(expected):
             self.results_taken.append((record.step, record.index))
+            return True
+        return False
 
     def expect_signatures(self, step: int, signatures: list[str]) -> None:
         """The ops of ``step`` must have these signatures, in order: one that differs is
