@@ -13,15 +13,16 @@ MAX = "allreduce|(10,):torch.float32|reduceOp=RedOpType.MAX"
 GATHER = "allgather|(4,);(4,)|(4,):torch.float32|"
 
 
-def position(step, stepped=False, log_from=None, keep_log=True, signatures=None):
-    """What a survivor reports when it parks at ``step``."""
+def position(step, stepped=False, log_from=None, keep_log=True, signatures=None, waiting=False):
+    """What a survivor reports when it parks at ``step`` (``waiting``: past the update, in a
+    collective issued after it)."""
     return Position(
         step=step,
         state_step=step + 1 if stepped else step,
         log_from=step - 1 if log_from is None else log_from,
         keep_log=keep_log,
         signatures={str(step): [SUM]} if signatures is None else signatures,
-        pending=0 if stepped else 1,
+        pending=1 if waiting or not stepped else 0,
         optimizer_waiting=False,
     )
 
@@ -96,6 +97,38 @@ def test_replay_with_survivors_in_different_steps():
     assert plan.mode == "replay"
     assert plan.step == 5
     assert plan.source == 1
+
+
+def test_survivors_waiting_in_a_collective_after_the_update_replay_that_step_in_place():
+    """A mean loss all-reduced after the update broke: the step's logged ops are issued
+    again from its start (done ones into scratch), and the job resumes past the update."""
+    positions = {0: position(3, stepped=True, waiting=True), 1: position(3, stepped=True)}
+    plan = plan_rebuild(positions, replaced=[], generation=2)
+    assert (plan.mode, plan.step, plan.replay_from, plan.pulls) == ("replay", 4, 3, [])
+
+
+def test_a_plain_replay_starts_at_its_resume_step():
+    positions = {0: position(3, stepped=True), 1: position(3)}
+    assert plan_rebuild(positions, replaced=[2], generation=1).replay_from is None
+
+
+def test_a_replacement_cannot_issue_the_collective_its_peers_wait_in_after_the_update():
+    positions = {0: position(3, stepped=True, waiting=True), 1: position(3, stepped=True)}
+    with pytest.raises(RecoveryImpossible, match="rank 0 has taken step 3's update.*rank 2's "
+                       "replacement resumes at step 4 and cannot issue it"):  # fmt: skip
+        plan_rebuild(positions, replaced=[2], generation=1)
+
+
+@pytest.mark.parametrize("survivor, why", [
+    ({"keep_log": False}, "the replay log is off"),
+    ({"log_from": 4}, "no longer holds the log of step 3"),
+])  # fmt: skip
+def test_no_rollback_hands_a_waiting_survivor_a_result_made_without_its_peers(survivor, why):
+    """A rollback serves the rest of the step locally, and that rank's step is not redone."""
+    positions = {0: position(3, stepped=True, waiting=True, **survivor),
+                 1: position(3, stepped=True, **survivor)}  # fmt: skip
+    with pytest.raises(RecoveryImpossible, match=f"waits in a collective.*{why}"):
+        plan_rebuild(positions, replaced=[], generation=1)
 
 
 # ---- rollback ------------------------------------------------------------------------------

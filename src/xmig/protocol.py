@@ -708,7 +708,7 @@ class Park(Message):
 class Rebuild(Message):
     """The recovery plan: resume at ``step`` by ``mode`` (replay or rollback), the state
     served to each rank in ``pulls`` by its entry in ``sources`` (a replica of its state),
-    or by ``source``."""
+    or by ``source``; a replay re-issues the logged ops from ``replay_from`` on."""
 
     generation: int
     mode: str
@@ -721,6 +721,9 @@ class Rebuild(Message):
     # every rank reports its replica checksum at the boundary after this step: the latest any
     # survivor is in (ranks of other groups may be a step ahead of the resume step)
     check_after: int | None = None
+    # a replay re-issues the logged ops from this step on (None: from ``step``): the step
+    # before it when the survivors, past its update, wait in a collective issued after it
+    replay_from: int | None = None
 
     def source_of(self, rank: int) -> int:
         return self.sources.get(str(rank), self.source)

@@ -68,17 +68,30 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
     verify_ready_order = LAYOUT_LOCAL in sources
     state_steps = {r: int(p.state_step) for r, p in positions.items() if p.state_step is not None}
     low = min(state_steps.values())
+    # survivors past a step's update that wait in a collective issued after it (a mean loss
+    # all-reduced for logging): a replay starts at that step; only their peers can end it
+    behind = {r: int(p.step) for r, p in positions.items()
+              if p.pending and p.step is not None and int(p.step) < state_steps[r]}  # fmt: skip
+    start = min([low, *behind.values()])
     reasons = [no_replay] if no_replay else []
     if no_replay:
         pass  # a replay of this step was tried and failed
     elif not all(p.keep_log for p in positions.values()):
         reasons.append("the replay log is off")
-    elif any(p.log_from is None or p.log_from > low for p in positions.values()):
-        reasons.append(f"a survivor no longer holds the log of step {low}")
+    elif any(p.log_from is None or p.log_from > start for p in positions.values()):
+        reasons.append(f"a survivor no longer holds the log of step {start}")
     else:
-        reason = _inconsistent_logs(positions, low)
+        reason = _inconsistent_logs(positions, start)
         if reason is not None:
             reasons.append(reason)
+    waiting = min(behind, key=lambda r: (behind[r], r)) if behind else None
+    stuck = (f"rank {waiting} has taken step {behind.get(waiting)}'s update and waits in a "
+             "collective it issued after it")  # fmt: skip
+    if start < low and replaced:
+        raise RecoveryImpossible(
+            f"{stuck}: rank {min(replaced)}'s replacement resumes at step {low} and cannot "
+            f"issue it, and no rank holds step {start}'s state to redo it"
+        )
     if not reasons:
         candidates = [r for r, s in state_steps.items() if s == low]
         pulls = sorted(replaced)
@@ -94,7 +107,12 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
                        source=servers[pulls[0]] if pulls else _busiest(positions, candidates, low),
                        pulls=pulls, why=None, verify_ready_order=verify_ready_order,
                        sources={str(r): s for r, s in servers.items()},
-                       check_after=_check_after(positions, low))  # fmt: skip
+                       check_after=_check_after(positions, low),
+                       replay_from=start if start < low else None)  # fmt: skip
+    if waiting is not None:
+        # a rollback serves the rest of its step without the network, and that rank's step
+        # is not redone: the script would go on with a result made without its peers
+        raise RecoveryImpossible(f"{stuck}: it cannot be replayed ({reasons[0]})")
     high = max(state_steps.values())
     at_high = [r for r, s in state_steps.items() if s == high]
     laggards = [r for r, s in state_steps.items() if s < high]

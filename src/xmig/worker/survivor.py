@@ -300,7 +300,8 @@ class Survivor:
         differs from the first one stops the recovery before the framework sees anything."""
         ctx = self._ctx
         try:
-            return replay_groups(proxies, plan.step, ctx.env.recovery_timeout,
+            start = plan.replay_from if plan.replay_from is not None else plan.step
+            return replay_groups(proxies, start, ctx.env.recovery_timeout,
                                  strict=ctx.env.strict)  # fmt: skip
         except ReplayDiverged as exc:
             why = replay_divergence(exc.check.differ[0], plan.pulls)
