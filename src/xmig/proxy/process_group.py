@@ -172,6 +172,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.gating = gate
         self._gate_factory: GateFactory = gate_factory or StreamGate
         self._gates: dict[Any, Any] = {}  # device -> its gate
+        self._taken = False  # a recovery took the ops in flight over (``halt``)
         self._gate_cpu = gate_factory is not None  # only a test's gates stand on the CPU
         self._group_name = ""
         self._waiter = threading.Thread(target=self._wait_loop, name="xmig-proxy", daemon=True)
@@ -418,10 +419,16 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 if callback is not None:
                     callback(trouble)
 
+    def _draining(self, record: OpRecord) -> bool:
+        """Whether the waiter still completes ``record`` while the proxy is halted: a gated op
+        that was launched before the fault and that no recovery took over yet (it may well
+        end well; its gate must not stay shut for nothing, see ``halt``)."""
+        return record.gate_number is not None and record.state == "launched" and not self._taken
+
     def _complete_in_order(self) -> None:
         while True:
             with self._cv:
-                while not self._queue or self.halted:
+                while not self._queue or (self.halted and not self._draining(self._queue[0])):
                     self._cv.wait()
                 record = self._queue[0]
                 if record.state == "queued":
@@ -435,8 +442,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 while not self.halted and record.work is work and not work.is_completed():
                     time.sleep(GPU_POLL_S)
             with _on_stream(record.device, record.gate and _WAITER), self._cv:
-                if self.halted or not self._queue or self._queue[0] is not record:
+                if self.halted and not self._draining(record):
                     continue  # recovery took this op over
+                if not self._queue or self._queue[0] is not record:
+                    continue
                 if record.work is not work:
                     continue
                 error = record.error
@@ -447,9 +456,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
                         error = str(exc)
                 if error is not None:
                     record.state, record.error = "failed", error
+                    # (an op drained after the fault that also failed: reported once)
+                    callback = None if self.halted else self.on_trouble
                     self.halted = True
-                    self.trouble = error
-                    callback = self.on_trouble
+                    self.trouble = self.trouble or error
                 else:
                     self._queue.popleft()
                     record.state = "done"
@@ -522,10 +532,18 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._expected[step] = list(signatures)
 
     # ---- recovery primitives (called by the worker's recovery thread) ------------------------
-    def halt(self) -> None:
-        """Stop launching; ops in flight are abandoned (their results no longer count)."""
+    def halt(self, drain_s: float = 0.0) -> None:
+        """Stop launching; ops in flight are abandoned (their results no longer count). With
+        ``drain_s``, while a gate is shut, first wait that long at most for the gated ops in
+        flight to end: a gate left shut holds the framework's stream, and aborting or making
+        a communicator then can wait on the device for good."""
         with self._cv:
             self.halted = True
+            deadline = time.monotonic() + drain_s
+            while (self._queue and self._draining(self._queue[0])
+                   and (left := deadline - time.monotonic()) > 0):  # fmt: skip
+                self._cv.wait(left)
+            self._taken = True
             for record in self._queue:
                 record.state, record.work = "queued", None
                 record.done_event.set()  # wakes the waiter if it waits on this op
@@ -681,6 +699,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         with self._cv:
             self.mode = mode
             self.halted = False
+            self._taken = False
             self.trouble = None
             self.gating = self.gate
             for record in self._queue:

@@ -33,6 +33,11 @@ from xmig.worker.verify import Verifier
 
 logger = logging.getLogger(__name__)
 
+# (GPU gate) how long a parking survivor waits for the gated ops in flight to end first: a
+# bucket's all-reduce that a fault did not touch ends in milliseconds; one stuck on a dead
+# peer does not end at all
+GATE_DRAIN_S = 2.0
+
 
 class Survivor:
     def __init__(
@@ -151,7 +156,7 @@ class Survivor:
         rebuilt = ctx.groups.holding(park.replaced) if park.replaced else ctx.groups.all()
         kept = [g for g in ctx.groups.all() if g not in rebuilt]
         for group in rebuilt:
-            group.proxy.halt()
+            group.proxy.halt(drain_s=GATE_DRAIN_S)
             group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
         after_framework(ctx)  # (GPU gate) what the recovery reads is the framework's, so far
         if ctx.update_queued():
