@@ -439,7 +439,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 # NCCL marks its future done at launch; an op has finished only once its GPU
                 # work has. Completing earlier would let the framework run ahead of a
                 # collective that a fault can still break (and read its half-written output).
-                while not self.halted and record.work is work and not work.is_completed():
+                # (a gated op drained after a fault must have ended on the GPU too)
+                while (record.work is work and not work.is_completed()
+                       and not (self.halted and not self._draining(record))):  # fmt: skip
                     time.sleep(GPU_POLL_S)
             with _on_stream(record.device, record.gate and _WAITER), self._cv:
                 if self.halted and not self._draining(record):
