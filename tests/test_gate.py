@@ -294,25 +294,27 @@ def test_a_waiter_that_fails_is_a_fault_not_a_hang():
     assert proxy._waiter.is_alive()  # it waits for the recovery that un-halts it
 
 
-def _failing_at(proxy, index):
-    """The proxy's op ``index`` of each step fails as it is issued (an injected fault)."""
+def _faulted(ops, failing, step=3):
+    """A gated proxy that issued ``ops`` all-reduces in ``step``, op ``failing`` failing as
+    it was issued (an injected fault)."""
+    proxy, backend, gates = _gated_proxy()
+    proxy.on_trouble = lambda why: None
 
     def before_op(step, in_step, op):
-        if in_step == index:
+        if in_step == failing:
             raise RuntimeError("injected communication error")
 
     proxy.before_op = before_op
+    proxy.begin_step(step)
+    for _ in range(ops):
+        _allreduce(proxy, torch.ones(2))
+    return proxy, backend, gates
 
 
 def test_gated_ops_launched_before_a_fault_still_open_their_gates():
     # their all-reduces end well: a gate left shut would hold the framework's stream while
     # the recovery aborts and makes communicators
-    proxy, backend, gates = _gated_proxy()
-    proxy.on_trouble = lambda why: None
-    _failing_at(proxy, 2)
-    proxy.begin_step(3)
-    for _ in range(3):
-        _allreduce(proxy, torch.ones(2))
+    proxy, backend, gates = _faulted(3, failing=2)
     assert proxy.halted and gates[0].issued == 2
     threading.Timer(0.2, lambda: (backend.end(0), backend.end(1))).start()
     started = time.monotonic()
@@ -323,12 +325,7 @@ def test_gated_ops_launched_before_a_fault_still_open_their_gates():
 
 
 def test_a_gated_op_that_does_not_end_is_taken_over_after_the_drain():
-    proxy, backend, gates = _gated_proxy()
-    proxy.on_trouble = lambda why: None
-    _failing_at(proxy, 1)
-    proxy.begin_step(3)
-    _allreduce(proxy, torch.ones(2))
-    _allreduce(proxy, torch.ones(2))
+    proxy, backend, gates = _faulted(2, failing=1)
     started = time.monotonic()
     proxy.halt(drain_s=0.3)
     assert 0.25 < time.monotonic() - started < 3.0
@@ -340,11 +337,7 @@ def test_a_gated_op_that_does_not_end_is_taken_over_after_the_drain():
 
 
 def test_without_a_shut_gate_halting_does_not_wait():
-    proxy, backend, gates = _gated_proxy()
-    proxy.on_trouble = lambda why: None
-    _failing_at(proxy, 0)
-    proxy.begin_step(1)
-    _allreduce(proxy, torch.ones(2))
+    proxy, _, _ = _faulted(1, failing=0)
     started = time.monotonic()
     proxy.halt(drain_s=5.0)
     assert time.monotonic() - started < 1.0
