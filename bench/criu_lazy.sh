@@ -9,12 +9,14 @@
 # from `criu lazy-pages` in the lazy mode). Every run checks the memory's digest.
 set -euo pipefail
 CRIU=${XMIG_CRIU:-criu}
+BOUND=120  # seconds any one criu command may take
 WORK=$(mktemp -d /dev/shm/xmig-lazy.XXXXXX)
 HOLDER=""
 DAEMON=""
 cleanup() {
     [[ -n $HOLDER ]] && kill -9 "$HOLDER" 2>/dev/null || true
-    [[ -n $DAEMON ]] && kill -9 "$DAEMON" 2>/dev/null || true
+    # (TERM: timeout hands it on to criu lazy-pages)
+    [[ -n $DAEMON ]] && kill "$DAEMON" 2>/dev/null || true
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -34,7 +36,8 @@ open(f"{work}/done.tmp", "w").write(f"{same} {time.monotonic() - started:.3f}")
 os.rename(f"{work}/done.tmp", f"{work}/done")
 EOF
 
-now() { date +%s.%N; }
+now() { date +%s%N; }  # nanoseconds
+seconds() { printf '%d.%03d' $(($1 / 1000000000)) $(($1 / 1000000 % 1000)); }
 wait_for() {  # wait_for TEST-ARGS... : at most 60 s
     local deadline=$((SECONDS + 60))
     until test "$@"; do
@@ -52,23 +55,23 @@ one() {  # one MIB MODE
     HOLDER=$(cat "$WORK/ready")
     local t0 t1 t2 t3
     t0=$(now)
-    "$CRIU" dump -t "$HOLDER" -D "$images" -o dump.log -v2
+    timeout "$BOUND" "$CRIU" dump -t "$HOLDER" -D "$images" -o dump.log -v2
     t1=$(now)
     if [[ $mode == lazy ]]; then
-        "$CRIU" lazy-pages -D "$images" -o lazy.log -v2 &
+        timeout "$BOUND" "$CRIU" lazy-pages -D "$images" -o lazy.log -v2 &
         DAEMON=$!
         wait_for -S "$images/lazy-pages.socket"
-        "$CRIU" restore -D "$images" -o restore.log -v2 -d --lazy-pages
+        timeout "$BOUND" "$CRIU" restore -D "$images" -o restore.log -v2 -d --lazy-pages
     else
-        "$CRIU" restore -D "$images" -o restore.log -v2 -d
+        timeout "$BOUND" "$CRIU" restore -D "$images" -o restore.log -v2 -d
     fi
     t2=$(now)
     touch "$WORK/go"
     wait_for -f "$WORK/done"
     t3=$(now)
     read -r same _ <"$WORK/done" || true  # (no newline at its end)
-    printf '| %s | %s | %.3f | %.3f | %.3f | %s |\n' "$mib" "$mode" "$(echo "$t1 - $t0" | bc)" \
-        "$(echo "$t2 - $t1" | bc)" "$(echo "$t3 - $t2" | bc)" "$same"
+    printf '| %s | %s | %s | %s | %s | %s |\n' "$mib" "$mode" "$(seconds $((t1 - t0)))" \
+        "$(seconds $((t2 - t1)))" "$(seconds $((t3 - t2)))" "$same"
     if [[ -n $DAEMON ]]; then
         wait "$DAEMON" 2>/dev/null || true
         DAEMON=""
