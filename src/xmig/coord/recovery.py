@@ -85,8 +85,9 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
         if reason is not None:
             reasons.append(reason)
     waiting = min(behind, key=lambda r: (behind[r], r)) if behind else None
-    stuck = (f"rank {waiting} has taken step {behind.get(waiting)}'s update and waits in a "
-             "collective it issued after it")  # fmt: skip
+    stuck = "" if waiting is None else (
+        f"rank {waiting} has taken step {behind[waiting]}'s update and waits in a collective "
+        "it issued after it")  # fmt: skip
     if start < low and replaced:
         raise RecoveryImpossible(
             f"{stuck}: rank {min(replaced)}'s replacement resumes at step {low} and cannot "
