@@ -191,3 +191,49 @@ def test_a_worker_whose_container_does_not_start_is_reported_as_a_process_that_e
     record = fault.record
     assert (record.rank, record.pid, record.kind, record.attempt) == (1, NO_PID, "exit", 2)
     assert "its container did not start" in record.detail and "no such file" in record.detail
+
+
+def test_a_workers_step_notices_reach_its_agent_in_order_with_its_other_messages():
+    # the step notice is sent by a thread of the link's (a send on the step loop's own thread
+    # cost the boundary most of its time): it must still arrive before what the rank says next
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from xmig import protocol
+    from xmig.agent.link import AgentLink
+    from xmig.wire import Server
+
+    heard, lock = [], threading.Lock()
+
+    def handler(_peer, msg):
+        with lock:
+            heard.append((msg["op"], msg.get("step")))
+        return {}
+
+    token = "t" * 64
+    server = Server("127.0.0.1", 0, token, handler).start()
+    env = SimpleNamespace(agent_addr=f"127.0.0.1:{server.address[1]}", token=token, rank=0,
+                          attempt=0, heartbeat_interval=60.0)  # fmt: skip
+    link = AgentLink(env, on_inject=lambda _spec: None)
+    try:
+        for step in range(50):
+            link.started(step)
+            if step % 10 == 9:
+                link.send(protocol.CommError(error="e", step=step, generation=0, t=0.0))
+        link.ask(protocol.Injecting(fault={}, step=50, t=0.0))
+        link.started(50)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and ("step", 50) not in heard:
+            time.sleep(0.01)
+    finally:
+        link.close()
+        server.close()
+    expected = [("hello", None)]
+    for step in range(50):
+        expected.append(("step", step))
+        if step % 10 == 9:
+            expected.append(("comm_error", step))
+    expected += [("injecting", 50), ("step", 50)]
+    assert heard == expected
+    assert link.step == 50

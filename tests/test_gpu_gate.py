@@ -29,7 +29,7 @@ def reference(tmp_path_factory):
     """The fault-free run's final parameters, and the index of the step's last collective
     (its last bucket's), read from its trace."""
     tmp = tmp_path_factory.mktemp("gate-reference")
-    result = run(["--trace-dir", str(tmp / "trace"), *JOB], tmp, timeout=300)
+    result = run(["--trace-dir", str(tmp / "trace"), *JOB], tmp, timeout=240)
     assert result.returncode == 0, result.output
     (trace,) = (tmp / "trace").glob("rank0-*.jsonl")
     _, entries = read_trace(trace)
@@ -39,7 +39,7 @@ def reference(tmp_path_factory):
 
 def _recovered(tmp_path, faults, extra=()):
     args = [*extra, *(a for f in faults for a in ("--inject", f)), *JOB]
-    result = run(args, tmp_path, timeout=300)
+    result = run(args, tmp_path, timeout=240)
     assert result.returncode == 0, result.output
     return result
 
