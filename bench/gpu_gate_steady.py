@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -29,21 +28,16 @@ MODEL = ["--preset", "gpt350m", "--batch-size", "8"]
 # "nolog": the gate without the replay log, what the log's copies cost (not a mode to run:
 # without the log a fault in a collective cannot be replayed)
 VARIANTS = {"gate": ["--gpu-gate"], "host": ["--no-gpu-gate"],
-            "nolog": ["--gpu-gate", "--no-replay-log"],
-            "gate-logstream": ["--gpu-gate"], "host-logstream": ["--no-gpu-gate"]}  # fmt: skip
-# variants whose log copies run on the proxy's own stream (``XMIG_LOG_STREAM=1``)
-LOG_STREAM = ("gate-logstream", "host-logstream")
+            "nolog": ["--gpu-gate", "--no-replay-log"]}  # fmt: skip
 
 
-def one_run(work: Path, name: str, flags: list[str], steps: int, timeout: float,
-            log_stream: bool = False) -> dict:  # fmt: skip
+def one_run(work: Path, name: str, flags: list[str], steps: int, timeout: float) -> dict:
     out = work / f"{name}.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "1", "--hot-spares", "0",
            *flags, str(OVERHEAD), "--steps", str(steps), "--warmup", str(WARMUP_STEPS),
            "--out", str(out), "--phases", "--stacks-after", str(timeout - 20),
            *MODEL]  # fmt: skip
-    env = {**os.environ, "XMIG_LOG_STREAM": "1" if log_stream else "0"}
-    code = bounded(cmd, work / f"{name}.log", timeout=timeout, env=env)
+    code = bounded(cmd, work / f"{name}.log", timeout=timeout)
     if code != 0:
         raise RuntimeError(f"run {name} failed with exit code {code}; see {work}")
     result = json.loads(out.read_text())
@@ -75,7 +69,7 @@ def main() -> int:
     for i, variant in enumerate(order):
         try:
             result = one_run(work, f"{i}-{variant}", VARIANTS[variant], args.steps,
-                             args.run_timeout, variant in LOG_STREAM)  # fmt: skip
+                             args.run_timeout)  # fmt: skip
         except RuntimeError as exc:
             rows.append(f"| {i + 1} | {variant} | failed: {exc} | | | |")
             print(rows[-1], flush=True)

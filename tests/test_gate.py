@@ -341,3 +341,34 @@ def test_without_a_shut_gate_halting_does_not_wait():
     started = time.monotonic()
     proxy.halt(drain_s=5.0)
     assert time.monotonic() - started < 1.0
+
+
+def test_an_op_that_fails_after_its_launch_is_gated_then_reported_and_replayed():
+    # ``raise`` at ``completion=K``: the op is launched and its future completed behind the
+    # gate, so the framework goes on; the error comes once the op has ended, as a lost
+    # peer's does, and the replay of the same op then ends well
+    from xmig.faults import FaultSpec
+    from xmig.faults.injector import Injector
+
+    proxy, backend, gates = _gated_proxy()
+    injector = Injector(0, announce=lambda _spec: None)
+    injector.add(FaultSpec("raise", 0, 4, at="completion=0"))
+    proxy.before_op = injector.at_collective
+    troubles = []
+    proxy.on_trouble = troubles.append
+    proxy.begin_step(4)
+    tensor = torch.full((3,), 2.0)
+    work = _allreduce(proxy, tensor)
+    assert work.get_future().done()  # complete at once: behind the gate
+    assert len(backend.futures) == 1  # launched
+    assert not troubles and gates[0].closed
+    backend.end(0)  # the op ends well on the wire; the injected error is reported then
+    _until(lambda: proxy.halted)
+    assert troubles and "injected communication error" in troubles[0]
+    assert gates[0].releases == []
+    proxy.halt()
+    fresh = Communicator("gloo", "world", 1, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    proxy.switch(fresh)
+    replay_groups([proxy], 4, timeout=10.0)
+    assert gates[0].releases == [1] and not proxy.gates_closed()
+    assert tensor.tolist() == [2.0, 2.0, 2.0]

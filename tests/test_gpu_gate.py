@@ -17,11 +17,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 JOB = ["--nproc-per-node", "1", "--gpu-gate", *FAST, "examples/train_gpt.py", "--preset", "gpt100m",
        "--steps", "6", "--quiet", "--dropout", "0.1"]  # fmt: skip
 QUEUED = "waits behind a shut gate"
-# measured on an H200 (2026-12-04): these recoveries did not end within the test's bound
-HANGS = pytest.mark.xfail(
-    strict=True, reason="the recovery of a fault behind a queued update hangs"
-)
 STEP = 3
+# the survivor's line that says the update was queued is an info line
+INFO = ["--log-level", "info"]
+# measured on an H200 (2026-12-04): the in-place replay allocates device memory (the eq
+# kernel's output as it compares a done op's replayed result) while the update waits behind
+# the shut gate, and that allocation waits for the gate: the recovery never ends
+ALLOCATES_BEHIND_GATE = pytest.mark.xfail(
+    strict=True, reason="the replay allocates device memory while a gate is shut"
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +60,21 @@ def test_a_bucket_that_fails_behind_the_gate_is_replayed_bit_identically(referen
     assert [r["mode"] for r in result.summary["recoveries"]] == ["in-place retry"]
 
 
-@HANGS
+@ALLOCATES_BEHIND_GATE
 def test_an_update_queued_behind_a_shut_gate_counts_as_not_taken(reference, tmp_path):
-    # the last bucket's all-reduce fails; its future was complete at once, so the CPU issues
-    # the update behind the shut gate
+    # the last bucket's all-reduce fails after its launch; its future was complete at once,
+    # so the CPU issues the update behind the shut gate
     expected, last = reference
-    result = _recovered(tmp_path, [f"raise:rank=0:step={STEP}:at=collective={last}"])
+    result = _recovered(tmp_path, [f"raise:rank=0:step={STEP}:at=completion={last}"],
+                        extra=INFO)  # fmt: skip
     assert result.summary["final_params_sha256"] == expected
     assert QUEUED in result.output
 
 
 def test_a_rollback_behind_a_shut_gate_starts_the_step_again(reference, tmp_path):
     expected, last = reference
-    result = _recovered(tmp_path, [f"raise:rank=0:step={STEP}:at=collective={last}"],
-                        extra=["--no-replay-log"])  # fmt: skip
+    result = _recovered(tmp_path, [f"raise:rank=0:step={STEP}:at=completion={last}"],
+                        extra=["--no-replay-log", *INFO])  # fmt: skip
     assert result.summary["final_params_sha256"] == expected
     assert [r["mode"] for r in result.summary["recoveries"]] == ["rollback"]
     assert QUEUED in result.output

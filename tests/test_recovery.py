@@ -103,6 +103,18 @@ def test_raise_is_retried_in_place(tmp_path, tmp_path_factory, measure, world):
     check_records(summary, [], measure, f"{spec} (world {world})")
 
 
+def test_a_collective_that_fails_after_its_launch_is_retried_in_place(
+    tmp_path, tmp_path_factory, measure
+):
+    # the error comes from the waiter once the op has ended, the framework already past it
+    spec = "raise:rank=0:step=3:at=completion=1"
+    _, summary = recover(tmp_path, tmp_path_factory, 2, [spec])
+    fault = summary["faults"][0]
+    assert (fault["rank"], fault["kind"], fault["step"]) == (0, "comm_error", 3)
+    assert summary["recoveries"][0]["mode"] == "in-place retry"
+    check_records(summary, [], measure, f"{spec} (world 2)")
+
+
 @pytest.mark.parametrize("world", sample(WORLDS, keep=3))
 def test_two_faults(tmp_path, tmp_path_factory, measure, world):
     specs = ["kill:rank=1:step=2:at=backward", f"kill:rank={world - 1 if world > 2 else 0}"

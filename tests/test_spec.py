@@ -16,6 +16,8 @@ def test_defaults_and_collective():
     assert parse_fault("kill:rank=0:step=1").at == "backward"
     spec = parse_fault("raise:rank=1:step=3:at=collective=4")
     assert spec.collective == 4 and spec.at == "collective=4"
+    late = parse_fault("raise:rank=1:step=3:at=completion=2")
+    assert late.completion == 2 and late.collective is None and str(late).endswith("completion=2")
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,8 @@ def test_defaults_and_collective():
         ("kill:rank=0:step=1:at=sideways", "unknown point"),
         ("kill:rank=0:step=1:at=collective", "needs an index"),
         ("kill:rank=0:step=1:at=collective=z", "not a whole number"),
+        ("raise:rank=0:step=1:at=completion", "needs an index"),
+        ("kill:rank=0:step=1:at=completion=1", "only to raise"),
         ("kill:rank=0:step=1:code=3", "only to exit"),
         ("kill:rank=0:step=1:color=red", "unknown field"),
         ("kill:rank=0:rank=1:step=1", "given twice"),

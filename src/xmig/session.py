@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import sys
 import time
 import traceback
@@ -107,7 +106,6 @@ class Session:
             before_op=ctx.injector.at_collective,
             keep_log=ctx.env.keep_log,
             gate=ctx.env.gpu_gate and ctx.device.type == "cuda",
-            log_stream=ctx.device.type == "cuda" and os.environ.get("XMIG_LOG_STREAM") == "1",
             on_trouble=lambda error: on_trouble(ctx, error),
             # a replacement serves its prologue (DDP's construction) locally
             mode="local" if ctx.prologue_local else "normal",

@@ -18,6 +18,13 @@ class InjectedCollectiveError(RuntimeError):
     """Raised from inside a collective by a ``raise`` fault, as an NCCL/CUDA error would be."""
 
 
+class InjectedLateError(InjectedCollectiveError):
+    """A ``raise`` at ``completion=K``: the proxy launches the collective and reports this
+    error once it has ended, as a collective broken by a lost peer fails after its launch."""
+
+    after_launch = True  # what the proxy looks for (it does not import this package)
+
+
 class Injector:
     """Holds this rank's pending faults and fires them at the matching point.
 
@@ -64,6 +71,7 @@ class Injector:
                     s.step == total
                     and s.at not in ("boundary", *RECOVERY_POINTS)
                     and s.collective is None
+                    and s.completion is None
                 )  # fmt: skip
             )
         ]
@@ -106,7 +114,7 @@ class Injector:
         if self._armed_raise is not None:
             spec, self._armed_raise = self._armed_raise, None
             self._fire(spec, op)
-        spec = self._take(lambda s: s.step == step and s.collective == index)
+        spec = self._take(lambda s: s.step == step and index in (s.collective, s.completion))
         if spec is not None:
             self._fire(spec, op)
 
@@ -129,7 +137,8 @@ class Injector:
             os._exit(1)
         elif spec.kind == "raise":
             where = f" in {op}" if op else ""
-            raise InjectedCollectiveError(
+            error = InjectedLateError if spec.completion is not None else InjectedCollectiveError
+            raise error(
                 f"injected communication error{where} on rank {self.rank} "
                 f"(simulated ncclRemoteError, fault {spec})"
             )

@@ -25,6 +25,8 @@ class FaultSpec:
 
     ``at`` is a point of the step (``forward``, ``backward``, ``optimizer``, ``boundary``),
     ``collective=K``: the K-th collective (counting from 0) that the rank issues in the step,
+    ``completion=K`` (``raise`` only): that collective is launched and then fails, as one
+    broken by a lost peer does (the error found once the rank has gone on past it),
     or a phase of a peer's recovery this rank takes part in while parked in the step
     (``park``, ``rebuild``, ``pull``, ``replay``; ``checkpoint``: writing its shard of a
     just-in-time checkpoint).
@@ -42,6 +44,13 @@ class FaultSpec:
     def collective(self) -> int | None:
         """The collective index for ``at=collective=K``, else None."""
         if self.at.startswith("collective="):
+            return int(self.at.split("=", 1)[1])
+        return None
+
+    @property
+    def completion(self) -> int | None:
+        """The collective index for ``at=completion=K``, else None."""
+        if self.at.startswith("completion="):
             return int(self.at.split("=", 1)[1])
         return None
 
@@ -100,18 +109,23 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
     rank = _int_field("rank", fields["rank"], spec, 0)
     step = _int_field("step", fields["step"], spec, 0) if "step" in fields else None
     at = fields.get("at", DEFAULT_POINT)
-    if at == "collective":
-        raise FaultSpecError(f"at=collective needs an index, e.g. at=collective=2, in {spec!r}")
+    if at in ("collective", "completion"):
+        raise FaultSpecError(f"at={at} needs an index, e.g. at={at}=2, in {spec!r}")
     if at.startswith("collective="):
         _int_field("collective", at.split("=", 1)[1], spec, 0)
+    elif at.startswith("completion="):
+        _int_field("completion", at.split("=", 1)[1], spec, 0)
+        if kind != "raise":
+            raise FaultSpecError(f"at=completion=K applies only to raise faults (a collective "
+                                 f"that fails after its launch), in {spec!r}")  # fmt: skip
     elif at in RECOVERY_POINTS:
         if kind in ("raise", "migrate"):
             raise FaultSpecError(f"a {kind} cannot be injected into a recovery's {at} phase, "
                                  f"in {spec!r}")  # fmt: skip
     elif at not in POINTS:
         raise FaultSpecError(
-            f"unknown point at={at!r} in {spec!r} (expected {', '.join(POINTS)}, collective=K "
-            f"or a recovery's phase: {', '.join(RECOVERY_POINTS)})"
+            f"unknown point at={at!r} in {spec!r} (expected {', '.join(POINTS)}, collective=K, "
+            f"completion=K or a recovery's phase: {', '.join(RECOVERY_POINTS)})"
         )
     code = 1
     if "code" in fields:

@@ -199,9 +199,10 @@ def run(
         list[str] | None,
         typer.Option(
             help="Inject a fault: KIND:rank=R:step=S[:at=forward|backward|optimizer|boundary"
-            "|collective=K], KIND one of kill, exit, raise, hang, node (the rank's whole node "
-            "is lost); or at a phase of a peer's recovery the rank takes part in while parked "
-            "in step S: at=park|rebuild|pull|replay|checkpoint. Repeatable."
+            "|collective=K|completion=K], KIND one of kill, exit, raise, hang, node (the "
+            "rank's whole node is lost); completion=K (raise only): the K-th collective fails "
+            "after its launch; or at a phase of a peer's recovery the rank takes part in while "
+            "parked in step S: at=park|rebuild|pull|replay|checkpoint. Repeatable."
         ),
     ] = None,
     summary: Annotated[

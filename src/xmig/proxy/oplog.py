@@ -211,8 +211,8 @@ class OpRecord:
     # (GPU, gates on) an event on the issuing stream after its inputs were logged: a
     # recovery on a stream of its own waits on it, never on the framework's whole stream
     logged_event: Any = None
-    # (GPU, ``log_stream``) the stream its inputs were logged and it was launched on
-    stream: Any = None
+    # an injected error it reports once it has ended (``raise`` at ``completion=K``)
+    late_error: str | None = None
 
     @property
     def input_tensors(self) -> list[torch.Tensor]:

@@ -133,7 +133,6 @@ class ProxyProcessGroup(dist.ProcessGroup):
         sequence: OpSequence | None = None,
         gate: bool = False,
         gate_factory: GateFactory | None = None,
-        log_stream: bool = False,
     ) -> None:
         super().__init__(communicator.rank, communicator.size)
         self.communicator = communicator
@@ -175,9 +174,6 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self._gates: dict[Any, Any] = {}  # device -> its gate
         self._taken = False  # a recovery took the ops in flight over (``halt``)
         self._gate_cpu = gate_factory is not None  # only a test's gates stand on the CPU
-        # (GPU) the log's copies and the launches on a stream of the proxy's own, beside the
-        # framework's: the copies overlap the backward's kernels instead of queuing among them
-        self.log_stream = log_stream
         self._group_name = ""
         self._waiter = threading.Thread(target=self._wait_loop, name="xmig-proxy", daemon=True)
         self._waiter.start()
@@ -252,7 +248,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
             try:
                 self.before_op(self.step, in_step, op)
             except Exception as exc:  # an injected communication error: the proxy absorbs it
-                injected = exc
+                if getattr(exc, "after_launch", False):
+                    record.late_error = str(exc)  # launched, and failed once it has ended
+                else:
+                    injected = exc
         expected = self._expected.get(self.step) if self.step is not None else None
         if expected is not None and index < len(expected) and expected[index] != record.signature:
             why = (f"op {index} of step {self.step} is {record.signature}, but the survivors "
@@ -270,19 +269,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
         if self.mode == "local" or (self.local_filter is not None and self.local_filter(record)):
             self._serve_locally(record)
             return _create_work_from_future(future)
-        if self.log_stream and device is not None and self.keep_log:
-            record.stream = side_stream(device, _LOGGER)
-            record.stream.wait_stream(torch.cuda.current_stream(device))
-        with _on_stream(device, record.stream):
-            if self.keep_log:
-                started = time.perf_counter()
-                self._log_inputs(record)
-                self.log_copy_seconds += time.perf_counter() - started
-                self.log_copy_bytes += sum(t.numel() * t.element_size()
-                                           for t in record.inputs or [])  # fmt: skip
-            if (self.gate or record.stream is not None) and device is not None:
-                record.logged_event = torch.cuda.Event()
-                record.logged_event.record()
+        if self.keep_log:
+            started = time.perf_counter()
+            self._log_inputs(record)
+            self.log_copy_seconds += time.perf_counter() - started
+            self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
+        if self.gate and device is not None:
+            record.logged_event = torch.cuda.Event()
+            record.logged_event.record()
         trouble = None
         with self._cv:
             self.log.append(record)
@@ -374,21 +368,16 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._cv.notify_all()
 
     def _log_inputs(self, record: OpRecord) -> None:
-        # on GPU the copies run on the issuing thread's stream (or the log's, ``log_stream``),
-        # before the launch: NCCL's stream waits for them, and so does a replay (measured on
-        # 2 x H200 with completion on the host: a side stream for the copies alone cost more
-        # in launch overhead than it saved in overlap)
-        if record.stream is not None:
-            for tensor in record.input_tensors:
-                tensor.record_stream(record.stream)  # the framework's memory, read here
+        # on GPU the copies run on the issuing thread's stream, before the launch: NCCL's
+        # stream waits for them, and so does a replay (measured on 2 x H200: a side stream
+        # for the copies cost more in launch overhead than it saved in overlap; on one H200
+        # with the gate, copies and launches on a stream of the proxy's own: 1.0201-1.0237
+        # against 1.0121)
         record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
 
     def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
         try:
-            # (log stream) NCCL's stream waits for the stream current at launch: the log's,
-            # behind the framework's work and the copies, from whichever thread launches
-            with _on_stream(record.device, record.stream):
-                work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+            work = getattr(self.communicator.backend, record.op)(*(args or record.args))
         except Exception as exc:  # a communicator that is already broken
             record.state, record.error = "failed", str(exc)
             record.done_event.set()
@@ -467,6 +456,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 if record.work is not work:
                     continue
                 error = record.error
+                if error is None and record.late_error is not None:
+                    error, record.late_error = record.late_error, None  # once: not in a replay
                 if error is None:
                     try:
                         value = _value(record.work, record.outputs_of(record.args))  # type: ignore[arg-type]
@@ -567,15 +558,18 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 record.done_event.set()  # wakes the waiter if it waits on this op
             self._cv.notify_all()
 
-    def abort_communicator(self, wait: bool = False) -> None:
-        """Abort the current communicator so ops stuck in it return (NCCL); gloo ops cannot
-        be aborted and are abandoned instead (they end at their timeout).
+    def abort_communicator(self, wait: bool = False, communicator: Communicator | None = None
+                           ) -> None:  # fmt: skip
+        """Abort the current communicator (or ``communicator``, one this proxy used before) so
+        ops stuck in it return (NCCL); gloo ops cannot be aborted and are abandoned instead
+        (they end at their timeout).
 
         NCCL's abort releases the kernels in flight within milliseconds but takes ~0.5 s to
         return (measured on H200), so it runs on a thread of its own and nothing waits for
         it (unless ``wait``): the communicator is never used again."""
-        backend = self.communicator.backend
-        if self.communicator.kind != "nccl" or not hasattr(backend, "abort"):
+        communicator = communicator or self.communicator
+        backend = communicator.backend
+        if communicator.kind != "nccl" or not hasattr(backend, "abort"):
             return
 
         def abort() -> None:
@@ -778,18 +772,14 @@ def wait_for_aborts(timeout: float) -> bool:
 
 
 _WAITER = "proxy-waiter"
-_LOGGER = "proxy-log"
 
 
 def _on_stream(device: Any, role: Any) -> contextlib.AbstractContextManager[Any]:
-    """Run on a stream of the proxy's own (``role`` a name), a gate's stream (``role`` a
-    gate) or ``role`` itself (a stream); nothing to do on the CPU or without a role."""
+    """Run on a stream of the proxy's own (``role`` a name) or a gate's stream (``role`` a
+    gate); nothing to do on the CPU or without a role."""
     if device is None or not role:
         return contextlib.nullcontext()
-    if isinstance(role, torch.cuda.Stream):
-        stream = role
-    else:
-        stream = role.stream if hasattr(role, "stream") else side_stream(device, role)
+    stream = role.stream if hasattr(role, "stream") else side_stream(device, role)
     return torch.cuda.stream(stream)
 
 

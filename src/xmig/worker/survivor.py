@@ -16,6 +16,7 @@ from typing import Any
 
 from xmig import protocol
 from xmig.bitwise import replay_divergence
+from xmig.ccl import Communicator
 from xmig.proxy import ProxyProcessGroup, ReplayCheck, ReplayDiverged, replay_groups
 from xmig.state import ReplacementPayload, checkpoint
 from xmig.state import ddp as ddp_state
@@ -155,9 +156,17 @@ class Survivor:
         # ops go on meanwhile
         rebuilt = ctx.groups.holding(park.replaced) if park.replaced else ctx.groups.all()
         kept = [g for g in ctx.groups.all() if g not in rebuilt]
+        # (GPU gate) NCCL's abort frees device memory, and on an H200 no device memory is
+        # allocated or freed while a stream waits behind a shut gate, which only the
+        # recovery opens (measured: the abort had not returned a minute after the fault): a
+        # group with a shut gate has its old communicator aborted once the recovery is done
+        late_aborts: list[tuple[ProxyProcessGroup, Communicator]] = []
         for group in rebuilt:
             group.proxy.halt(drain_s=GATE_DRAIN_S)
-            group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
+            if group.proxy.gates_closed():
+                late_aborts.append((group.proxy, group.proxy.communicator))
+            else:
+                group.proxy.abort_communicator()  # NCCL: in-flight kernels return; gloo: no-op
         after_framework(ctx)  # (GPU gate) what the recovery reads is the framework's, so far
         if ctx.update_queued():
             logger.info("rank %d: the update of step %s waits behind a shut gate: this rank's "
@@ -178,7 +187,10 @@ class Survivor:
             # start: no group may keep an op in flight that a peer will not issue
             for group in kept:
                 group.proxy.halt()
-                group.proxy.abort_communicator()
+                if group.proxy.gates_closed():
+                    late_aborts.append((group.proxy, group.proxy.communicator))
+                else:
+                    group.proxy.abort_communicator()
             rebuilt, kept = rebuilt + kept, []
         # before the step runs on (the training thread reaches the next boundary as soon
         # as the replay is done)
@@ -211,6 +223,8 @@ class Survivor:
         else:
             self.roll_back(plan.step, rebuilt)
         resume_gating(ctx)
+        for proxy, old in late_aborts:
+            proxy.abort_communicator(communicator=old)
         with self._lock:
             if token is not None and self._current is not token:
                 raise Superseded("this recovery was given up for a later park")
