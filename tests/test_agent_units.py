@@ -131,6 +131,16 @@ def test_workers_get_expandable_segments_unless_the_job_set_its_allocator():
     single: dict[str, str] = {}
     set_worker_defaults(single, world_size=1)
     assert "OMP_NUM_THREADS" not in single  # one rank: the machine's threads are its own
+    assert "CUDA_MODULE_LOADING" not in single
+
+
+def test_gated_workers_load_every_cuda_module_at_start_unless_the_job_says_otherwise():
+    gated: dict[str, str] = {}
+    set_worker_defaults(gated, world_size=2, gpu_gate=True)
+    assert gated["CUDA_MODULE_LOADING"] == "EAGER"
+    own = {"CUDA_MODULE_LOADING": "LAZY"}
+    set_worker_defaults(own, world_size=2, gpu_gate=True)
+    assert own["CUDA_MODULE_LOADING"] == "LAZY"
 
 
 def test_a_spare_container_that_does_not_start_is_tried_again_later(environ, tmp_path):

@@ -20,12 +20,6 @@ QUEUED = "waits behind a shut gate"
 STEP = 3
 # the survivor's line that says the update was queued is an info line
 INFO = ["--log-level", "info"]
-# measured on an H200 (2026-12-04): the in-place replay allocates device memory (the eq
-# kernel's output as it compares a done op's replayed result) while the update waits behind
-# the shut gate, and that allocation waits for the gate: the recovery never ends
-ALLOCATES_BEHIND_GATE = pytest.mark.xfail(
-    strict=True, reason="the replay allocates device memory while a gate is shut"
-)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +54,6 @@ def test_a_bucket_that_fails_behind_the_gate_is_replayed_bit_identically(referen
     assert [r["mode"] for r in result.summary["recoveries"]] == ["in-place retry"]
 
 
-@ALLOCATES_BEHIND_GATE
 def test_an_update_queued_behind_a_shut_gate_counts_as_not_taken(reference, tmp_path):
     # the last bucket's all-reduce fails after its launch; its future was complete at once,
     # so the CPU issues the update behind the shut gate

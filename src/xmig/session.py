@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import sys
 import time
 import traceback
@@ -99,13 +100,19 @@ class Session:
         of the current generation: what a replacement makes, its survivors rebuilt in it."""
         ctx = self._ctx
         default = ranks is None
+        gate = ctx.env.gpu_gate and ctx.device.type == "cuda"
+        if gate and default and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
+            logger.warning("warning: --gpu-gate with CUDA_MODULE_LOADING=%s: a kernel first "
+                           "launched while a gate is shut waits for the gate, and a recovery "
+                           "can hang (xmig's workers get EAGER unless the job sets its own)",
+                           os.environ.get("CUDA_MODULE_LOADING", "LAZY"))  # fmt: skip
         name = ctx.groups.name_for(c10d_name, ranks)
         generation = ctx.env.generation if default else ctx.proxy.generation
         proxy = ProxyProcessGroup(
             ctx.comms.communicator(name, generation, group_rank, size),
             before_op=ctx.injector.at_collective,
             keep_log=ctx.env.keep_log,
-            gate=ctx.env.gpu_gate and ctx.device.type == "cuda",
+            gate=gate,
             on_trouble=lambda error: on_trouble(ctx, error),
             # a replacement serves its prologue (DDP's construction) locally
             mode="local" if ctx.prologue_local else "normal",

@@ -231,9 +231,10 @@ def run(
             "--gpu-gate/--no-gpu-gate",
             help="(Experimental) On GPUs, complete a bucket all-reduce's future at once behind "
             "a gate on the GPU that opens once the host has seen the all-reduce end, so the "
-            "CPU runs ahead as with plain DDP (about 1 % of a step at gpt350m). Known to hang: "
-            "the recovery of a fault in a step's last bucket all-reduce (measured on an "
-            "H200). Not for optimizers that read GPU values on the host inside step().",
+            "CPU runs ahead as with plain DDP (about 1 % of a step at gpt350m). Its workers load "
+            "every CUDA module at start (CUDA_MODULE_LOADING=EAGER: a lazy load waits for a "
+            "shut gate). Not yet run with a peer on GPUs. Not for optimizers that read GPU "
+            "values on the host inside step().",
         ),
     ] = DEFAULT_GPU_GATE,
     recovery_timeout: Annotated[
