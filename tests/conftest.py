@@ -1,4 +1,6 @@
+import atexit
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,10 +27,24 @@ def pytest_terminal_summary(terminalreporter):
 LONG = os.environ.get("XMIG_LONG_TESTS") == "1"
 
 
+def _stopped(signum, _frame):
+    """pytest stopped from outside (a timeout's SIGTERM): the jobs its tests started end too,
+    where they would go on in sessions of their own."""
+    from helpers import kill_started_jobs
+
+    kill_started_jobs()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "long: a wider sample of a matrix CI covers in part (XMIG_LONG_TESTS=1 runs it)"
     )
+    signal.signal(signal.SIGTERM, _stopped)
+    from helpers import kill_started_jobs
+
+    atexit.register(kill_started_jobs)
 
 
 def pytest_collection_modifyitems(config, items):

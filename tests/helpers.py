@@ -82,9 +82,23 @@ def xmig(
     )
 
 
+# every job a test started, so that a pytest stopped from outside ends them too
+_STARTED: list[subprocess.Popen] = []
+
+
+def kill_started_jobs() -> None:
+    """SIGKILL every job the tests started that still runs (its launcher's process group:
+    its coordinator, agents and workers die with the launcher)."""
+    for proc in _STARTED:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def start_run(args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.Popen:
     summary = tmp_path / "summary.json"
-    return subprocess.Popen(
+    _STARTED[:] = [p for p in _STARTED if p.poll() is None]
+    proc = subprocess.Popen(
         [sys.executable, "-m", "xmig", "run", "--summary", str(summary), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -93,6 +107,8 @@ def start_run(args: list[str], tmp_path: Path, env: dict | None = None) -> subpr
         env={**os.environ, "XMIG_JOBS_DIR": str(tmp_path / "jobs"), **(env or {})},
         start_new_session=True,
     )
+    _STARTED.append(proc)
+    return proc
 
 
 @contextlib.contextmanager
