@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -26,18 +27,27 @@ from recovery_cpu import OVERHEAD, WARMUP_STEPS, bounded, machine, write_report
 
 MODEL = ["--preset", "gpt350m", "--batch-size", "8"]
 # "nolog": the gate without the replay log, what the log's copies cost (not a mode to run:
-# without the log a fault in a collective cannot be replayed)
-VARIANTS = {"gate": ["--gpu-gate"], "host": ["--no-gpu-gate"],
-            "nolog": ["--gpu-gate", "--no-replay-log"]}  # fmt: skip
+# without the log a fault in a collective cannot be replayed). "host-eager": the default with
+# every CUDA module loaded at start (what gated workers get), to tell its cost from the gate's
+VARIANTS = {
+    "gate": ["--gpu-gate"],
+    "host": ["--no-gpu-gate"],
+    "nolog": ["--gpu-gate", "--no-replay-log"],
+    "host-eager": ["--no-gpu-gate"],
+}
+ENVIRONMENTS = {"host-eager": {"CUDA_MODULE_LOADING": "EAGER"}}
 
 
-def one_run(work: Path, name: str, flags: list[str], steps: int, timeout: float) -> dict:
+def one_run(work: Path, name: str, variant: str, steps: int, timeout: float,
+            profile: bool = False) -> dict:  # fmt: skip
     out = work / f"{name}.json"
+    extra = ["--profile-boundary", str(work / f"{name}.boundary.txt")] if profile else []
     cmd = [sys.executable, "-m", "xmig", "run", "--nproc-per-node", "1", "--hot-spares", "0",
-           *flags, str(OVERHEAD), "--steps", str(steps), "--warmup", str(WARMUP_STEPS),
-           "--out", str(out), "--phases", "--stacks-after", str(timeout - 20),
-           *MODEL]  # fmt: skip
-    code = bounded(cmd, work / f"{name}.log", timeout=timeout)
+           *VARIANTS[variant], str(OVERHEAD), "--steps", str(steps), "--warmup",
+           str(WARMUP_STEPS), "--out", str(out), "--phases", "--stacks-after",
+           str(timeout - 20), *extra, *MODEL]  # fmt: skip
+    env = {**os.environ, **ENVIRONMENTS.get(variant, {})}
+    code = bounded(cmd, work / f"{name}.log", timeout=timeout, env=env)
     if code != 0:
         raise RuntimeError(f"run {name} failed with exit code {code}; see {work}")
     result = json.loads(out.read_text())
@@ -57,6 +67,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--work", type=Path, help="where the runs' logs go (default: a temp dir)")
+    parser.add_argument(
+        "--profile-boundary",
+        action="store_true",
+        help="cProfile xmig's step boundaries: a file per run in --work",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("this bench needs a GPU", file=sys.stderr)
@@ -68,8 +83,8 @@ def main() -> int:
     order = [*args.variants, *reversed(args.variants)] * args.rounds
     for i, variant in enumerate(order):
         try:
-            result = one_run(work, f"{i}-{variant}", VARIANTS[variant], args.steps,
-                             args.run_timeout)  # fmt: skip
+            result = one_run(work, f"{i}-{variant}", variant, args.steps, args.run_timeout,
+                             args.profile_boundary)  # fmt: skip
         except RuntimeError as exc:
             rows.append(f"| {i + 1} | {variant} | failed: {exc} | | | |")
             print(rows[-1], flush=True)

@@ -168,7 +168,7 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
         "agent fetches the images and restores it (same PID, its own network namespace) and "
         "adopts it, it reconnects, and every rank resumes on a new communicator. No state pull "
         "and no replay. Seconds; downtime is from the pause boundary (of the rank that took "
-        "longest to stop: `stop`, its communicator aborted and, on the moving rank, its tensors "
+        "longest to stop: `stop`, its communicator shut down and, on the moving rank, its tensors "
         "parked meanwhile, `park`) to every rank resumed; `quiesce`, the job training on to that "
         "boundary, is not downtime.",
         "",
@@ -198,7 +198,7 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
     ]
     if args.gpu:
         lines += [
-            "On GPU, every rank aborts its NCCL communicator at the pause; the moving rank "
+            "On GPU, every rank shuts its NCCL communicator down at the pause; the moving rank "
             "empties PyTorch's cache of free GPU blocks; its agent locks its CUDA calls and "
             "checkpoints what is left of its GPU memory into its host memory through the "
             "driver's API (`cuCheckpointProcessLock`, `cuCheckpointProcessCheckpoint`) before "

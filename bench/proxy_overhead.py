@@ -54,6 +54,10 @@ def main() -> None:
         help="how often the proxy checks whether a GPU op has finished (default: the proxy's)",
     )
     parser.add_argument(
+        "--profile-boundary",
+        help="a file for cProfile's account of xmig's step boundaries (the step loop's thread)",
+    )
+    parser.add_argument(
         "--stacks-after",
         type=float,
         help="print every thread's stack after this many seconds (a hang)",
@@ -123,6 +127,11 @@ def main() -> None:
     steps = session.steps(args.steps + profiled)
 
     boundaries: list[float] = []
+    boundary_profile = None
+    if args.profile_boundary:
+        import cProfile
+
+        boundary_profile = cProfile.Profile()
 
     def plain_step(i: int) -> None:
         started = time.perf_counter()
@@ -131,7 +140,12 @@ def main() -> None:
 
     def xmig_step() -> None:
         started = time.perf_counter()
-        step = next(steps)
+        if boundary_profile is not None and len(boundaries) >= args.warmup:
+            boundary_profile.enable()
+            step = next(steps)
+            boundary_profile.disable()
+        else:
+            step = next(steps)
         boundaries.append(time.perf_counter() - started)
         train(ddp_x, opt_x, step, "xmig")
         times["xmig"].append(time.perf_counter() - started)
@@ -150,6 +164,15 @@ def main() -> None:
             trace = Path(args.trace) / f"{name}.json" if args.trace else None
             profiles[name] = profile(run_one, args.profile_steps, args.steps, device, trace)
     next(steps, None)  # the last boundary
+    if boundary_profile is not None and session.rank == 0:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats = pstats.Stats(boundary_profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        Path(args.profile_boundary).write_text(text.getvalue())
     if session.rank == 0:
         kept = {k: v[args.warmup :] for k, v in times.items()}
         result = {

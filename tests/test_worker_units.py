@@ -540,6 +540,48 @@ def test_the_process_waits_for_a_communicator_being_aborted(proxy):
     assert wait_for_aborts(0.0)  # nothing left to wait for
 
 
+class _Closable:
+    """An NCCL backend's two ways to close, recorded; ``shutdown`` as told."""
+
+    def __init__(self, shutdown=None):
+        self.calls, self._shutdown = [], shutdown
+
+    def shutdown(self):
+        self.calls.append("shutdown")
+        if self._shutdown is not None:
+            self._shutdown()
+
+    def abort(self):
+        self.calls.append("abort")
+
+
+def test_a_paused_communicator_is_shut_down_not_aborted(proxy):
+    backend = _Closable()
+    proxy.communicator.kind, proxy.communicator.backend = "nccl", backend
+    assert proxy.release_communicator() == "shutdown"
+    assert backend.calls == ["shutdown"]
+
+
+def test_a_shutdown_that_fails_or_does_not_return_falls_back_to_the_abort(proxy):
+    def broken():
+        raise RuntimeError("NCCL error: remote process exited")
+
+    release = threading.Event()
+    for shutdown, timeout in ((broken, 5.0), (lambda: release.wait(10), 0.2)):
+        backend = _Closable(shutdown)
+        proxy.communicator.kind, proxy.communicator.backend = "nccl", backend
+        started = time.monotonic()
+        assert proxy.release_communicator(timeout_s=timeout) == "abort"
+        assert backend.calls == ["shutdown", "abort"]
+        assert time.monotonic() - started < 3.0  # bounded by the timeout, not the hang
+    release.set()
+
+
+def test_gloo_has_nothing_to_release(proxy):
+    assert proxy.communicator.kind == "gloo"
+    assert proxy.release_communicator() == "none"
+
+
 def _group_proxy(name, sequence, seen):
     comm = Communicator("gloo", name, 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
     return ProxyProcessGroup(comm, before_op=lambda step, index, op: seen.append((name, index)),

@@ -36,6 +36,8 @@ LOG_LEVEL = "XMIG_LOG_LEVEL"
 STRICT = "XMIG_STRICT"
 TRACE_DIR = "XMIG_TRACE_DIR"
 RESUME = "XMIG_RESUME"
+# how a planned pause closes its healthy NCCL communicators: "shutdown" (default) or "abort"
+PAUSE_CLOSE = "XMIG_PAUSE_CLOSE"
 # a host's own launch (``xmig.jobspec.HostLaunch`` JSON), from its launcher to its agent
 HOST_LAUNCH = "XMIG_HOST_LAUNCH"
 COORD_RESTART = "XMIG_COORD_RESTART"  # a coordinator started again: how many ran before

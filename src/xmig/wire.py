@@ -382,9 +382,10 @@ class Server:
             self._pending -= 1
 
     def _refuse(self, sock: socket.socket) -> None:
-        sock.close()
+        # counted before the close: whoever sees the close may read the count at once
         self.refused_handshakes += 1
         self._refused_unlogged += 1
+        sock.close()
         now = time.monotonic()
         if now - self._refused_logged_at >= 1.0:  # a flood must not flood the log too
             log.warning(

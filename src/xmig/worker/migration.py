@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from xmig import protocol
+from xmig import jobenv, protocol
 from xmig.procs import die_with_parent, outlive_parent
 from xmig.worker.context import WorkerContext
 from xmig.worker.errors import exit_now
@@ -166,11 +166,12 @@ class Migration:
         ctx.phase.move(WorkerPhase.PAUSED)
         aborts = []
         if ctx.backend == "nccl":
-            # the communicator is replaced on resume; aborting it now frees the peers' mappings
-            # of each other's GPU memory, which a GPU checkpoint of a moving rank needs. It
-            # takes ~0.5 s: on threads, while the rank that moves parks its tensors
-            aborts = [threading.Thread(target=proxy.abort_communicator, kwargs={"wait": True},
-                                       name="xmig-abort", daemon=True)
+            # the communicator is replaced on resume; closing it now frees the peers' mappings
+            # of each other's GPU memory, which a GPU checkpoint of a moving rank needs. Every
+            # rank is at this boundary, so the communicator is healthy and shut down (~0.5 s;
+            # an abort takes ~1 s): on threads, while the rank that moves parks its tensors
+            aborts = [threading.Thread(target=_close_paused, args=(proxy,), name="xmig-close",
+                                       daemon=True)
                       for proxy in ctx.groups.proxies()]  # fmt: skip
             for thread in aborts:
                 thread.start()
@@ -365,3 +366,12 @@ def _largest_blocks(device: torch.device, count: int = 5) -> str:
     largest = sorted(sizes, reverse=True)[:count]
     blocks = ", ".join(f"{size / 1e6:.0f} MB" for size in largest) or "none"
     return f"{blocks}; {len(sizes)} live blocks keep {kept} segments of {kept_bytes / 1e9:.2f} GB"
+
+
+def _close_paused(proxy: Any) -> None:
+    """Close a paused group's communicator: shut down, or aborted when the job asks for the
+    old way (``XMIG_PAUSE_CLOSE=abort``, to measure one against the other)."""
+    if os.environ.get(jobenv.PAUSE_CLOSE) == "abort":
+        proxy.abort_communicator(wait=True)
+    else:
+        proxy.release_communicator()
