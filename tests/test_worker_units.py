@@ -540,6 +540,25 @@ def test_the_process_waits_for_a_communicator_being_aborted(proxy):
     assert wait_for_aborts(0.0)  # nothing left to wait for
 
 
+def test_a_boundary_lets_go_of_old_records_on_another_thread(proxy):
+    """Destroying the works and futures of two steps back is off the step loop's thread."""
+    import weakref
+
+    proxy.begin_step(1)
+    proxy.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+    (record,) = proxy.log
+    gone, where = threading.Event(), []
+    weakref.finalize(record, lambda: (where.append(threading.current_thread().name), gone.set()))
+    del record
+    proxy.begin_step(2)
+    # (the proxy's waiter holds the last op it completed until it takes the next one)
+    proxy.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+    assert not gone.is_set()  # the step before is kept
+    proxy.begin_step(3)
+    assert gone.wait(5.0) and where == ["xmig-let-go"]
+    assert [r.step for r in proxy.log] == [2]
+
+
 class _Closable:
     """An NCCL backend's two ways to close, recorded; ``shutdown`` as told."""
 
