@@ -32,6 +32,7 @@ def reference(tmp_path_factory, world, pattern, workers):
     pytest.param("batches", 0, 2, "kill:rank=1:step=5:at=backward", True,
                  marks=pytest.mark.long),
     ("batches-prefetch", 2, 3, "kill:rank=2:step=5:at=backward", True),
+    ("shards", 0, 3, "kill:rank=1:step=5:at=backward", True),
     pytest.param("batches-prefetch", 0, 2, "exit:rank=1:step=5:at=boundary", "unverifiable",
                  marks=pytest.mark.long),
     pytest.param("batches", 2, 2, "exit:rank=0:step=5:at=boundary", "unverifiable",

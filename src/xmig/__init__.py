@@ -5,19 +5,36 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from xmig.session import Batches, RecoveryFailed, ReplayMismatch, Session, XmigError, init
+    from xmig.session import (
+        Batches,
+        RecoveryFailed,
+        ReplayMismatch,
+        Session,
+        Shards,
+        XmigError,
+        init,
+    )
 
 __all__ = [
     "Batches",
     "RecoveryFailed",
     "ReplayMismatch",
     "Session",
+    "Shards",
     "XmigError",
     "__version__",
     "init",
 ]
 
-_FROM_SESSION = ("init", "Session", "XmigError", "RecoveryFailed", "ReplayMismatch", "Batches")
+_FROM_SESSION = (
+    "init",
+    "Session",
+    "XmigError",
+    "RecoveryFailed",
+    "ReplayMismatch",
+    "Batches",
+    "Shards",
+)
 
 
 def __getattr__(name: str):  # the launcher and agents must not pay for importing torch

@@ -34,8 +34,10 @@ from xmig.worker.layout import DdpLayout
 from xmig.worker.loop import StepLoop
 from xmig.worker.migration import Migration
 from xmig.worker.orders import Orders
+from xmig.worker.partition import BatchPolicy, GlobalPartition
 from xmig.worker.phase import WorkerPhase
 from xmig.worker.replacement import Replacement
+from xmig.worker.shards import Shards
 from xmig.worker.survivor import Survivor
 from xmig.worker.trouble import is_sticky_cuda_error, on_trouble
 from xmig.worker.verify import Verifier
@@ -170,25 +172,55 @@ class Session:
         ctx = self._ctx
         if ctx.phase.current is not WorkerPhase.STARTING:
             raise XmigError("session.batches() must be called before session.steps()")
-        resume_from = None
-        if self._replacement is not None:
-            replacement = self._replacement
-
-            def resume_from() -> tuple[dict[str, Any], int]:
-                try:
-                    return replacement.stream_state(name)
-                except RecoveryFailed as exc:  # the coordinator hears why, and stops the job
-                    ctx.die(f"recovery failed: {exc}")
-
-        def mismatch(why: str) -> None:
-            logger.warning("rank %d: %s", ctx.rank, why)
-            ctx.send(protocol.NotBitIdentical(generation=ctx.env.generation, why=why,
-                                              t=time.time()))  # fmt: skip
-
         stream = Batches(source, name=name, seed=ctx.seed, rank=ctx.rank,
-                         resume_from=resume_from, mismatch=mismatch)  # fmt: skip
+                         resume_from=self._resume_from(name),
+                         mismatch=self._stream_mismatch)  # fmt: skip
         ctx.registry.add_stream(stream)
         return stream
+
+    def shards(self, dataset: Any, batch: int, *, per_rank: bool = False, collate: Any = None,
+               shuffle: bool = True, name: str = "data") -> Shards:  # fmt: skip
+        """Draw each step this rank's share of ``dataset`` (map-style: ``len`` and ``[]``):
+        ``batch`` is the global batch (each rank gets a contiguous part, the first ranks one
+        more where it does not divide evenly), or each rank's with ``per_rank``. The position
+        is counted in samples of the whole job: every sample of every epoch is drawn exactly
+        once (a step may span two epochs), whatever the ranks, and a rank's share is the
+        same whichever process draws it. ``stream.weight`` is the last share's size against
+        an even split (multiply a mean loss by it for the global batch's mean). Call it
+        before ``steps()``."""
+        ctx = self._ctx
+        if ctx.phase.current is not WorkerPhase.STARTING:
+            raise XmigError("session.shards() must be called before session.steps()")
+        policy = BatchPolicy.PER_RANK if per_rank else BatchPolicy.GLOBAL
+        try:
+            partition = GlobalPartition(len(dataset), batch, ctx.seed, policy, shuffle)
+            stream = Shards(dataset, partition, name=name, world_size=ctx.world_size,
+                            rank=ctx.rank, collate=collate, resume_from=self._resume_from(name),
+                            mismatch=self._stream_mismatch)  # fmt: skip
+        except ValueError as exc:
+            raise XmigError(f"session.shards(): {exc}") from exc
+        ctx.registry.add_stream(stream)
+        return stream
+
+    def _resume_from(self, name: str) -> Any:
+        """In a replacement: what waits for the pulled state of stream ``name``."""
+        if self._replacement is None:
+            return None
+        replacement, ctx = self._replacement, self._ctx
+
+        def resume_from() -> tuple[dict[str, Any], int]:
+            try:
+                return replacement.stream_state(name)
+            except RecoveryFailed as exc:  # the coordinator hears why, and stops the job
+                ctx.die(f"recovery failed: {exc}")
+
+        return resume_from
+
+    def _stream_mismatch(self, why: str) -> None:
+        ctx = self._ctx
+        logger.warning("rank %d: %s", ctx.rank, why)
+        ctx.send(protocol.NotBitIdentical(generation=ctx.env.generation, why=why,
+                                          t=time.time()))  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a replacement needs, as of now (call with the state lock held)."""
@@ -272,6 +304,7 @@ __all__ = [
     "RecoveryFailed",
     "ReplayMismatch",
     "Session",
+    "Shards",
     "XmigError",
     "init",
     "is_sticky_cuda_error",

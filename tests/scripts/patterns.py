@@ -3,7 +3,9 @@ whether a recovery can be bit-identical (``--pattern``), for the tests.
 
 Right: ``batches`` (a DataLoader drawn through ``session.batches`` at the top of each step),
 ``batches-prefetch`` (the same, the next batch prefetched into a local at the end of a step),
-``generator`` (random batches from a generator, through ``session.batches``, two per step).
+``generator`` (random batches from a generator, through ``session.batches``, two per step),
+``shards`` (each rank's share of a global batch of 10, uneven at world 3, through
+``session.shards``).
 Broken: ``prefetch-locals`` (the loader's own iterator, prefetched into a local),
 ``iterator`` (the loader's own iterator, drawn at the top of each step), ``own-generator``
 (noise from a generator of the script's own, not reseeded per step), ``scheduler`` (the LR
@@ -20,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import xmig
 
-PATTERNS = ("batches", "batches-prefetch", "generator", "prefetch-locals", "iterator",
+PATTERNS = ("batches", "batches-prefetch", "generator", "shards", "prefetch-locals", "iterator",
             "own-generator", "scheduler", "unseeded")  # fmt: skip
 
 
@@ -93,6 +95,8 @@ def main():
         data = epochs(loader, sampler)
     elif args.pattern == "generator":
         data = session.batches(random_batches())
+    elif args.pattern == "shards":
+        data = session.shards(dataset, batch=10)
     else:
         data = session.batches(loader)
     own = torch.Generator().manual_seed(5)
@@ -110,6 +114,8 @@ def main():
         if args.pattern == "own-generator":
             out = out + 0.1 * torch.randn(out.shape, generator=own)
         loss = torch.nn.functional.cross_entropy(out, y)
+        if args.pattern == "shards":
+            loss = loss * data.weight  # uneven shares: the global batch's mean
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -11,6 +11,7 @@ from xmig.state import ddp as ddp_state
 from xmig.state import dtensors
 from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, XmigError
+from xmig.worker.shards import Shards
 
 
 class Registry:
@@ -20,7 +21,7 @@ class Registry:
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
-        self.streams: dict[str, Batches] = {}
+        self.streams: dict[str, Batches | Shards] = {}
         self.ddp: Any = None  # the DDP that trains the registered model, once the loop starts
         self._snapshots: dict[str, Any] = {}
         # a sharded model's state as the step began (references, not copies): inside a step
@@ -43,7 +44,7 @@ class Registry:
                 raise XmigError(f"{name}= needs state_dict() and load_state_dict(){hint}")
             self.objects[name] = obj
 
-    def add_stream(self, stream: Batches) -> None:
+    def add_stream(self, stream: Batches | Shards) -> None:
         if stream.name in self.objects or stream.name in self.streams:
             raise XmigError(
                 f"{stream.name!r} is already registered: give the data stream another "
