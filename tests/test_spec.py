@@ -68,3 +68,28 @@ def test_text_round_trip(kind, rank, step, at, code):
     spec = FaultSpec(kind, rank, step, at, code if kind == "exit" else 1)
     assert parse_fault(str(spec)) == spec
     assert FaultSpec.from_json(spec.to_json()) == spec
+
+
+def test_a_planned_resize_names_the_world_and_the_step():
+    spec = parse_fault("resize:world=2:step=5")
+    assert (spec.kind, spec.world, spec.step, spec.at) == ("resize", 2, 5, "boundary")
+    assert str(spec) == "resize:world=2:step=5"
+    assert FaultSpec.from_json(spec.to_json()) == spec
+    assert parse_faults(["resize:world=3:step=1"], world_size=3)[0].world == 3
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("resize:step=5", "missing world=N"),
+    ("resize:world=2", "missing step=S"),
+    ("resize:world=0:step=5", "world must be >= 1"),
+    ("resize:world=2:step=0", "step must be >= 1"),
+    ("resize:world=2:step=5:rank=1", "unknown field 'rank'"),
+])  # fmt: skip
+def test_malformed_resizes(text, reason):
+    with pytest.raises(FaultSpecError, match=reason):
+        parse_fault(text)
+
+
+def test_a_resize_beyond_the_launch_size_is_refused():
+    with pytest.raises(FaultSpecError, match="larger than the launch's world size 2"):
+        parse_faults(["resize:world=3:step=2"], world_size=2)

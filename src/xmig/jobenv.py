@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from xmig.faults.spec import FaultSpec
+from xmig.faults.spec import PLANNED, FaultSpec
 from xmig.jobspec import (
     DEFAULT_GPU_GATE,
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -96,10 +96,10 @@ class WorkerEnv:
     ) -> WorkerEnv:
         """The environment of ``rank``'s worker in the job ``spec`` describes: the faults to
         inject into it are the spec's for that rank, less those already carried out
-        (``fired``) and migrations (the coordinator carries those out)."""
+        (``fired``) and planned migrations and resizes (the coordinator carries those out)."""
         fired = list(fired)
         faults = [FaultSpec.from_json(f) for f in spec.faults if f["rank"] == rank
-                  and f not in fired and f["kind"] != "migrate"]  # fmt: skip
+                  and f not in fired and f["kind"] not in PLANNED]  # fmt: skip
         return cls(
             rank=rank,
             local_rank=local_rank,

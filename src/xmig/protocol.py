@@ -366,6 +366,8 @@ class Paused(Message):
     t: float = 0.0
     stop_s: float = 0.0
     park_s: float = 0.0
+    # why this rank's world could not change size here (None: it could; see worker/resize.py)
+    cannot_resize: str | None = None
 
 
 @message("pause_refused", W, C, forward=True)
@@ -628,6 +630,15 @@ class InjectRequest(Message):
     spec: str
 
 
+@message("scale", L, C, request=True)
+@wire
+class ScaleRequest(Message):
+    """Change the world size at a step boundary. Reply: ``{"resize": str}``, or refused
+    with why."""
+
+    world_size: int
+
+
 @message("migrate", L, C, request=True)
 @wire
 class MigrateRequest(Message):
@@ -789,6 +800,19 @@ class Dump(Message):
     images: str
     rejoin_file: str
     serve: bool
+
+
+@message("resize", C, A, relay=Relay.ALL)
+@wire
+class Resize(Message):
+    """Every rank is paused at the start of ``step``: the world becomes ``world_size``
+    ranks. ``ranks[r]``: old rank r's new rank, or -1 for a rank that leaves (it ends).
+    Each agent renumbers its workers before it relays this to them."""
+
+    generation: int
+    step: int
+    world_size: int
+    ranks: list[int]
 
 
 @message("resume", C, A, relay=Relay.ALL)

@@ -37,6 +37,7 @@ from xmig.worker.orders import Orders
 from xmig.worker.partition import BatchPolicy, GlobalPartition
 from xmig.worker.phase import WorkerPhase
 from xmig.worker.replacement import Replacement
+from xmig.worker.resize import Resizer
 from xmig.worker.shards import Shards
 from xmig.worker.survivor import Survivor
 from xmig.worker.trouble import is_sticky_cuda_error, on_trouble
@@ -53,8 +54,6 @@ class Session:
     """One worker's handle on the job: its process group, its registered state, its steps."""
 
     def __init__(self, env: WorkerEnv, seed: int, backend: str, timeout: timedelta) -> None:
-        self.rank = env.rank
-        self.world_size = env.world_size
         self.local_rank = env.local_rank
         self.seed = seed
         self.backend = backend
@@ -81,6 +80,15 @@ class Session:
         ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause,
                             on_save=on_save, on_store=ctx.store_restarted,
                             on_prepare=migration.on_prepare)  # fmt: skip
+        resizer = Resizer(ctx, layout, self._make_group, self._on_world)
+
+        def on_resize(order: protocol.Resize) -> None:
+            try:
+                resizer.apply(order)
+            except (RecoveryFailed, RuntimeError, ValueError) as exc:
+                ctx.die(f"resize to {order.world_size} ranks failed: {type(exc).__name__}: {exc}")
+
+        migration.why_not_resize, migration.on_resize = resizer.why_not, on_resize
         self._loop = StepLoop(ctx, gate, layout, verifier, survivor, migration, replacement)
         if env.managed:
             ctx.connect()
@@ -129,6 +137,21 @@ class Session:
         members = list(range(size)) if ranks is None else ranks
         ctx.groups.add(Group(name, c10d_name, members, proxy))
         return proxy
+
+    def _on_world(self, proxy: ProxyProcessGroup) -> None:
+        """The world changed size: its new default group."""
+        self.proxy = proxy
+        self.process_group = dist.group.WORLD
+
+    @property
+    def rank(self) -> int:
+        """This rank's number (a resize of the world renumbers the ranks that stay)."""
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the world has now (the launch's, until a resize)."""
+        return self._ctx.world_size
 
     @property
     def env(self) -> WorkerEnv:

@@ -55,6 +55,7 @@ from xmig.protocol import (
     ProtocolError,
     ReadyForDump,
     Relay,
+    Resize,
     Respawn,
     Restore,
     Restored,
@@ -109,7 +110,8 @@ class Worker:
     proc: subprocess.Popen | AdoptedProcess | ContainerProcess
     pidfd: int
     attempt: int
-    state: str = "starting"  # starting, running, done, faulted, stopping, exited
+    # starting, running, done, faulted, stopping, migrating, leaving (a resize let it go), exited
+    state: str = "starting"
     peer: Peer | None = None
     last_beat: float | None = None  # monotonic time of the last sign of life
     last_beat_wall: float | None = None
@@ -313,10 +315,14 @@ class Agent:
         with self._lock:
             worker = self.workers.get(rank)
             if worker is None or worker.own_pid != int(peer.info.get("pid", -1)):
+                # a worker renumbered by a resize keeps its connection, which says the rank
+                # it had when it connected
+                worker = next((w for w in self.workers.values() if w.peer is peer), None)
+            if worker is None:
                 raise ValueError(f"no worker with rank {rank} and that pid on this node")
             worker.last_beat, worker.last_beat_wall = now, wall
             if msg.FORWARD:  # a report for the coordinator: who sent it, its connection says
-                self._post(ToCoordinator(dataclasses.replace(msg, rank=rank)))  # type: ignore[call-arg]
+                self._post(ToCoordinator(dataclasses.replace(msg, rank=worker.rank)))  # type: ignore[call-arg]
                 return {}
             WORKER_HANDLERS[type(msg)](self, worker, peer, msg, wall)
         return {}
@@ -633,6 +639,33 @@ class Agent:
             if worker.peer is not None and worker.state in ("running", "done"):
                 worker.peer.push(frame)
 
+    def _resize(self, order: Resize) -> None:
+        """The world changes size: this node's workers take their new ranks (their reports
+        name those from now on), those that leave are let go (their exit is no news), and
+        then every one of them hears it."""
+        frame = encode(order)
+        with self._lock:
+            told = [w for w in self.workers.values()
+                    if w.peer is not None and w.state in ("running", "done")]  # fmt: skip
+            staying: dict[int, Worker] = {}
+            for rank, worker in self.workers.items():
+                new = order.ranks[rank] if 0 <= rank < len(order.ranks) else -1
+                if new < 0:
+                    if worker.state != "exited":
+                        worker.state = "leaving"
+                        self.retired.append(worker)
+                    continue
+                worker.rank = new
+                staying[new] = worker
+            self.fired = {order.ranks[r]: f for r, f in self.fired.items()
+                          if 0 <= r < len(order.ranks) and order.ranks[r] >= 0}  # fmt: skip
+            self.workers = staying
+        log.info("agent %d: world of %d ranks from step %d; this node's ranks now %s",
+                 self.node_rank, order.world_size, order.step, sorted(staying))  # fmt: skip
+        for worker in told:
+            assert worker.peer is not None
+            worker.peer.push(frame)
+
     def _dump_order(self, order: Dump) -> None:
         worker = self.workers.get(order.rank)
         self._dump_orders[order.rank] = order
@@ -927,7 +960,8 @@ class Agent:
         if worker in self.retired:
             self.retired.remove(worker)
         previous, worker.state = worker.state, "exited"
-        if previous in ("stopping", "faulted", "migrating") or self.workers.get(rank) is not worker:
+        if previous in ("stopping", "faulted", "migrating", "leaving") \
+                or self.workers.get(rank) is not worker:  # fmt: skip
             return
         if returncode != 0 and previous == "done":
             kind, detail = describe_exit(returncode)
@@ -1049,6 +1083,7 @@ WORKER_HANDLERS: dict[type[Message], Callable[..., None]] = {
 EVENT_HANDLERS: dict[type, Callable[..., int | None]] = {
     **{cls: Agent._relay for cls in CATALOGUE.values() if cls.RELAY is Relay.ALL},
     Dump: Agent._dump_order,
+    Resize: Agent._resize,
     InjectFault: Agent._inject,
     EndRank: Agent._end_rank,
     Respawn: Agent._respawn,

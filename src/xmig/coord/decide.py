@@ -43,7 +43,7 @@ def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int]) -> str 
                 "ranks (--spare-nodes)")  # fmt: skip
     if len(job.recoveries) >= job.spec.max_recoveries:
         return f"the job already recovered {len(job.recoveries)} times (--max-recoveries)"
-    unmanaged = sorted(set(range(job.spec.world_size)) - job.joined - set(replaced))
+    unmanaged = sorted(set(range(job.world_size)) - job.joined - set(replaced))
     if unmanaged:
         return f"rank {unmanaged[0]} never called xmig.init(), so it cannot be parked"
     missing = sorted(r for r in replaced if r not in job.members)
@@ -53,7 +53,7 @@ def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int]) -> str 
     if gone:
         return (f"ranks {gone} finished and exited before the fault, so they cannot serve the "
                 "state or replay the last step with a replacement")  # fmt: skip
-    if len(replaced) >= job.spec.world_size:
+    if len(replaced) >= job.world_size:
         return "every rank failed: no peer holds the state"
     for done in job.recoveries[-2:]:
         if replaced and done["ranks"] == replaced and done["step"] == primary.step:
@@ -81,8 +81,8 @@ def migration_problem(job: Job, rank: int, target: int | None) -> tuple[str | No
     if job.state is not JobState.RUNNING:
         what = "handling a fault" if job.state is JobState.SETTLING else job.state.value
         return f"the job is {what}, not running", -1
-    if not 0 <= rank < job.spec.world_size:
-        return f"rank {rank} does not exist (world size {job.spec.world_size})", -1
+    if not 0 <= rank < job.world_size:
+        return f"rank {rank} does not exist (world size {job.world_size})", -1
     member = job.members.get(rank)
     if member is None or rank not in job.progress:
         return f"rank {rank} has not started training yet", -1

@@ -31,6 +31,7 @@ from xmig.coord.orders import (
     Note,
     Order,
     Refused,
+    Renumber,
     Reply,
     Retry,
     Saved,
@@ -41,6 +42,8 @@ from xmig.coord.orders import (
     ToNode,
 )
 from xmig.coord.recovery import Recovery
+from xmig.coord.resize import Refusal, ResizePlan, plan_planned
+from xmig.coord.resizing import ResizePhase, Resizing
 from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from xmig.jobspec import HostLaunch, JobSpec, JobSpecError
 from xmig.protocol import (
@@ -72,6 +75,7 @@ from xmig.protocol import (
     Respawn,
     Restored,
     Resumed,
+    ScaleRequest,
     Spares,
     StateSent,
     StatusRequest,
@@ -105,6 +109,7 @@ class JobState(enum.Enum):
     SETTLING = "settling"  # a fault: its consequences arrive before the cause is chosen
     RECOVERING = "recovering"
     MIGRATING = "migrating"
+    RESIZING = "resizing"  # the world changes size at a step boundary (no fault)
     # a fault that cannot be recovered: the ranks that hold state save it before the stop
     CHECKPOINTING = "checkpointing"
     STOPPING = "stopping"  # agents stop their workers
@@ -125,22 +130,24 @@ TRANSITIONS: dict[JobState, set[JobState]] = {
         S.COMPLETED,
         S.FAILED,
     },  # fmt: skip
-    S.RUNNING: {S.SETTLING, S.MIGRATING, S.STOPPING, S.COMPLETED},
+    S.RUNNING: {S.SETTLING, S.MIGRATING, S.RESIZING, S.STOPPING, S.COMPLETED},
     S.SETTLING: {S.RECOVERING, S.CHECKPOINTING, S.STOPPING},
     S.RECOVERING: {S.RUNNING, S.RECOVERING, S.CHECKPOINTING, S.STOPPING},  # again: a retry
     S.MIGRATING: {S.RUNNING, S.STOPPING},
+    S.RESIZING: {S.RUNNING, S.STOPPING},
     S.CHECKPOINTING: {S.STOPPING},
     S.STOPPING: {S.FAILED},
     S.COMPLETED: set(),
     S.FAILED: set(),
 }
 LIVE = (S.STARTING, S.REJOINING, S.RUNNING, S.SETTLING, S.RECOVERING, S.MIGRATING,
-        S.CHECKPOINTING)  # fmt: skip
+        S.RESIZING, S.CHECKPOINTING)  # fmt: skip
 # what a restarted coordinator handles while its agents rejoin; every other event waits
 REJOIN_EVENTS = (AgentHello, AgentLost, Tick, StatusRequest, StopJob)
 RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
 MIGRATION_EVENTS = (Prepared, Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
 CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
+RESIZE_EVENTS = (Paused, PauseRefused, Resumed)
 
 
 class IllegalTransition(AssertionError):
@@ -205,10 +212,16 @@ class Job:
     ordered_attempt: dict[int, int] = field(default_factory=dict)
     recovery: Recovery | None = None
     migration: Migration | None = None
+    resizing: Resizing | None = None
     checkpoint: Checkpoint | None = None
     jit_checkpoint: dict[str, Any] | None = None  # the just-in-time checkpoint's record
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     migrations: list[dict[str, Any]] = field(default_factory=list)
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    # the ranks that left the world at a resize: their rank then, process, node
+    left_ranks: list[dict[str, Any]] = field(default_factory=list)
+    # the ranks there are now (the launch's, until a resize changes it)
+    world_size: int = 0
     # what the ranks said of each recovery's outcome: generation -> its checks
     checks: dict[int, dict[str, Any]] = field(default_factory=dict)
     verdict: str | None = None  # why the job's result cannot be trusted, if it cannot
@@ -222,6 +235,7 @@ class Job:
     fired: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> injected
     criu: dict[int, CriuStatus] = field(default_factory=dict)
     scheduled: list[dict[str, Any]] = field(default_factory=list)  # injected migrations
+    scheduled_resizes: list[dict[str, Any]] = field(default_factory=list)  # injected resizes
     total_steps: int | None = None  # as the script's step loop said
     warned: set[str] = field(default_factory=set)
     retiring: set[int] = field(default_factory=set)  # processes whose end is expected
@@ -231,8 +245,11 @@ class Job:
     rejoin: Rejoin | None = None  # set while a restarted coordinator waits for its agents
 
     def __post_init__(self) -> None:
-        self.worker_pids = {r: [] for r in range(self.spec.world_size)}
+        self.world_size = self.world_size or self.spec.world_size
+        self.worker_pids = {r: [] for r in range(self.world_size)}
         self.scheduled = [f for f in self.spec.faults if f["kind"] == "migrate"]
+        self.scheduled_resizes = sorted((f for f in self.spec.faults if f["kind"] == "resize"),
+                                        key=lambda f: int(f["step"]))  # fmt: skip
 
     # ---- the one entry -----------------------------------------------------------------------
     def on(self, event: Any, now: float) -> list[Order]:
@@ -255,6 +272,11 @@ class Job:
             orders += self._follow(self.migration.on(event, now), now)
             if self.migration is not None and self.migration.phase is MigrationPhase.DROPPED:
                 self.migration = None
+                orders += [*self._enter(S.RUNNING, now), *self._maybe_release(now)]
+        if self.resizing is not None and isinstance(event, (*RESIZE_EVENTS, WorkerDone, Tick)):
+            orders += self._follow(self.resizing.on(event, now), now)
+            if self.resizing is not None and self.resizing.phase is ResizePhase.DROPPED:
+                self.resizing = None
                 orders += [*self._enter(S.RUNNING, now), *self._maybe_release(now)]
         if self.checkpoint is not None and isinstance(event, (*CHECKPOINT_EVENTS, Tick)):
             orders += self._follow(self.checkpoint.on(event, now), now)
@@ -284,6 +306,8 @@ class Job:
                 out += self._retry(order.why, now)
             elif isinstance(order, Settled):
                 out += self._settled(order, now)
+            elif isinstance(order, Renumber):
+                self._renumber(order)
             else:
                 out.append(order)
         return out
@@ -454,6 +478,13 @@ class Job:
                     orders += started
                 except Refused as exc:
                     orders.append(Say(f"injected migration of rank {msg.rank} not done: {exc}"))
+        while self.scheduled_resizes and msg.step >= int(self.scheduled_resizes[0]["step"]) - 1:
+            fault = self.scheduled_resizes.pop(0)
+            spec = str(FaultSpec.from_json(fault))
+            try:
+                orders += self._start_resize(int(fault["world"]), spec, now)[1]
+            except Refused as exc:
+                orders.append(Say(f"injected {spec} not done: {exc}"))
         return orders
 
     def _worker_done(self, msg: WorkerDone, now: float) -> list[Order]:
@@ -468,7 +499,7 @@ class Job:
             return self._follow(self.recovery.fail(
                 f"rank {msg.rank} finished and exited during the recovery, so it cannot replay "
                 "the last step", now), now)  # fmt: skip
-        if self.state is S.RUNNING and len(self.exited) == self.spec.world_size:
+        if self.state is S.RUNNING and len(self.exited) == self.world_size:
             return [*self._enter(S.COMPLETED, now), self._finish(now)]
         return []
 
@@ -530,6 +561,13 @@ class Job:
             return [Note("fault", dataclasses.asdict(record)),
                     Say(f"fault during recovery: {summary.describe(record)}"),
                     *self._follow(self.recovery.fail("a second fault hit during recovery", now),
+                                  now)]  # fmt: skip
+        if self.state is S.RESIZING:
+            assert self.resizing is not None
+            self.primary = record
+            return [Note("fault", dataclasses.asdict(record)),
+                    Say(f"fault during a resize: {summary.describe(record)}"),
+                    *self._follow(self.resizing.fail("a fault hit during the resize", now),
                                   now)]  # fmt: skip
         if self.state is S.MIGRATING:
             assert self.migration is not None
@@ -597,6 +635,11 @@ class Job:
             if record is not None:
                 self.faults.append(record)
             return [*orders, *self._follow(self.migration.fail(
+                f"the agent of node {node} was lost", now), now)]  # fmt: skip
+        if self.state is S.RESIZING and record is not None:
+            assert self.resizing is not None
+            self.faults.append(record)
+            return [*orders, *self._follow(self.resizing.fail(
                 f"the agent of node {node} was lost", now), now)]  # fmt: skip
         if record is None or self.state is S.MIGRATING:
             return orders
@@ -671,10 +714,10 @@ class Job:
         why_not = decide.why_no_recovery(self, primary, replaced)
         if why_not is not None:
             self.reason = why_not
-            holders = [r for r in range(self.spec.world_size) if r not in replaced]
+            holders = [r for r in range(self.world_size) if r not in replaced]
             return [Say(f"no in-place recovery: {why_not}"), *self._save(holders, now)]
         self.generation += 1
-        survivors = [r for r in range(self.spec.world_size) if r not in replaced]
+        survivors = [r for r in range(self.world_size) if r not in replaced]
         placement = decide.placement(self, replaced)
         self.recovery = Recovery(self.generation, primary, replaced, survivors, started=now,
                                  deadline=now + self.spec.recovery_timeout,
@@ -729,9 +772,11 @@ class Job:
             self.recoveries.append(record)
             differ = (record.get("replay") or {}).get("differ")
             why = replay_divergence(differ[0], record["ranks"]) if differ else None
+        elif self.resizing is not None:
+            self.resizes.append(record)
         else:
             self.migrations.append(record)
-        self.recovery = self.migration = None
+        self.recovery = self.migration = self.resizing = None
         orders = [*self._enter(S.RUNNING, now), Say(settled.line)]
         if why is None:
             return [*orders, *self._maybe_release(now)]
@@ -753,7 +798,7 @@ class Job:
         the survivors save their state first; otherwise every worker is told and the job
         stops."""
         recovery = self.recovery
-        self.recovery = self.migration = None
+        self.recovery = self.migration = self.resizing = None
         self.reason = reason
         if recovery is not None:
             holders = [r for r in recovery.survivors if r not in recovery.lost]
@@ -816,7 +861,7 @@ class Job:
             return orders
         checks["sums"][msg.rank] = msg.checksum
         checks.setdefault("replicas", {})[msg.rank] = msg.replicas
-        if len(checks["sums"]) < self.spec.world_size:
+        if len(checks["sums"]) < self.world_size:
             return []
         sums = {r: c for r, c in checks["sums"].items() if c}
         differ = decide.differing_replicas(sums, checks["replicas"])
@@ -834,9 +879,9 @@ class Job:
         any more: let them all exit. Replicas that end different fail the job instead."""
         if self.released or self.state is not S.RUNNING:
             return []
-        if len(self.done) < self.spec.world_size:  # (cheap: one WorkerDone a rank)
+        if len(self.done) < self.world_size:  # (cheap: one WorkerDone a rank)
             return []
-        if not set(self.done) >= set(range(self.spec.world_size)):
+        if not set(self.done) >= set(range(self.world_size)):
             return []
         sums = {r: d.checksum for r, d in self.done.items() if d.checksum}
         differ = decide.differing_replicas(sums, {r: d.replicas for r, d in self.done.items()})
@@ -852,8 +897,8 @@ class Job:
         """Stop a job whose result cannot be trusted, saying why."""
         self.verdict = reason
         orders: list[Order] = [Say(f"stopping: {reason}")]
-        if self.recovery is not None or self.migration is not None:
-            self.recovery = self.migration = None
+        if self.recovery is not None or self.migration is not None or self.resizing is not None:
+            self.recovery = self.migration = self.resizing = None
             orders.append(ToAll(Abort(reason=reason)))
         return orders + self._stop(reason, now)
 
@@ -866,8 +911,10 @@ class Job:
             fault = parse_fault(msg.spec, require_step=False)
         except FaultSpecError as exc:
             raise Refused(str(exc)) from None
-        if fault.rank >= self.spec.world_size:
-            raise Refused(f"rank {fault.rank} does not exist (world size {self.spec.world_size})")
+        if fault.kind == "resize":
+            raise Refused("a resize is asked for with `xmig scale --world-size N`")
+        if fault.rank >= self.world_size:
+            raise Refused(f"rank {fault.rank} does not exist (world size {self.world_size})")
         if self.state is not S.RUNNING:
             raise Refused(f"the job is {self.state.value}, not running")
         current = self.progress.get(fault.rank)
@@ -900,7 +947,7 @@ class Job:
         self.migration = Migration(
             self.generation, rank, member.pid, member.node, target, step, source_images,
             source_images if local else images_dir(self.spec.job_id, target, name), why,
-            world_size=self.spec.world_size, local_rank=rank % self.spec.nproc_per_node,
+            world_size=self.world_size, local_rank=rank % self.spec.nproc_per_node,
             attempt=member.attempt, started=now, deadline=now + self.spec.recovery_timeout,
             serve_images=not (shared_images() or local),
         )  # fmt: skip
@@ -910,6 +957,62 @@ class Job:
                   Note("generation", {"generation": self.generation, "why": "migration"}),
                   *self.migration.start(now), Say(text)]  # fmt: skip
         return text, orders
+
+    def _scale(self, msg: ScaleRequest, now: float) -> list[Order]:
+        text, orders = self._start_resize(msg.world_size, "request", now)
+        return [*orders, Reply({"resize": text})]
+
+    def _start_resize(self, world_size: int, why: str, now: float) -> tuple[str, list[Order]]:
+        """Start changing the world to ``world_size`` ranks at a boundary no rank has
+        passed; raises ``Refused`` with why it cannot."""
+        if self.state is not S.RUNNING:
+            what = "handling a fault" if self.state is S.SETTLING else self.state.value
+            raise Refused(f"the job is {what}, not running")
+        if not self.progress:
+            raise Refused("no rank has started training yet")
+        if world_size > self.world_size:
+            raise Refused(f"growing the world (from {self.world_size} to {world_size}) is not "
+                          "supported yet: a resize can only shrink it")  # fmt: skip
+        step = max(self.progress.values()) + 1
+        nodes = {r: m.node for r, m in self.members.items()}
+        plan = plan_planned(nodes, world_size, step, min_world_size=1,
+                            idle=decide.idle_nodes(self),
+                            nproc_per_node=self.spec.nproc_per_node)  # fmt: skip
+        if isinstance(plan, Refusal):
+            raise Refused(plan.reason)
+        assert isinstance(plan, ResizePlan)
+        self.generation += 1
+        self.resizing = Resizing(self.generation, plan, why, started=now,
+                                 deadline=now + self.spec.recovery_timeout)  # fmt: skip
+        text = (f"resizing the world from {plan.old_world} to {plan.new_world} ranks at the "
+                f"start of step {step} (generation {self.generation})")  # fmt: skip
+        orders = [*self._enter(S.RESIZING, now),
+                  Note("generation", {"generation": self.generation, "why": "resize"}),
+                  *self.resizing.start(now), Say(text)]  # fmt: skip
+        return text, orders
+
+    def _renumber(self, order: Renumber) -> None:
+        """The world's ranks from now on: those that stay under their new numbers."""
+        ranks = order.ranks
+
+        def moved(table: dict[int, Any]) -> dict[int, Any]:
+            return {ranks[r]: v for r, v in table.items() if r in ranks}
+
+        left = {r: self.members[r].pid for r in self.members if r not in ranks}
+        self.retiring.update(left.values())  # their ends are expected
+        self.left_ranks += [{"rank": r, "pid": pid, "node": self.members[r].node,
+                             "pids": self.worker_pids.get(r, []), "world_size": order.world_size}
+                            for r, pid in sorted(left.items())]  # fmt: skip
+        self.members = moved(self.members)
+        self.worker_pids = moved(self.worker_pids)
+        self.worker_containers = moved(self.worker_containers)
+        self.progress = moved(self.progress)
+        self.done = moved(self.done)
+        self.fired = moved(self.fired)
+        self.ordered_attempt = moved(self.ordered_attempt)
+        self.joined = {ranks[r] for r in self.joined if r in ranks}
+        self.exited = {ranks[r] for r in self.exited if r in ranks}
+        self.world_size = order.world_size
 
     def _restored(self, msg: Restored, now: float) -> list[Order]:
         if msg.ok and self.migration is not None and msg.rank == self.migration.rank:
@@ -925,8 +1028,8 @@ class Job:
         if self.state not in LIVE:
             return [Reply({"stopping": False})]
         orders: list[Order] = []
-        if self.recovery is not None or self.migration is not None:
-            self.recovery = self.migration = None
+        if self.recovery is not None or self.migration is not None or self.resizing is not None:
+            self.recovery = self.migration = self.resizing = None
             orders.append(ToAll(Abort(reason=msg.reason)))
         return [*orders, *self._stop(msg.reason, now), Reply({"stopping": True})]
 
@@ -1006,10 +1109,11 @@ HANDLERS: dict[type, Callable[[Job, Any, float], list[Order]]] = {
     StatusRequest: Job._status,
     InjectRequest: Job._inject,
     MigrateRequest: Job._migrate,
+    ScaleRequest: Job._scale,
     Restored: Job._restored,
     StopJob: Job._stop_request,
     Stopped: Job._stopped,
     Tick: _ignore,
 }
-for _cls in (*RECOVERY_EVENTS, *MIGRATION_EVENTS):
+for _cls in (*RECOVERY_EVENTS, *MIGRATION_EVENTS, *RESIZE_EVENTS):
     HANDLERS.setdefault(_cls, _ignore)

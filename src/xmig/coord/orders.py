@@ -99,6 +99,15 @@ class Settled:
 
 
 @dataclass(frozen=True)
+class Renumber:
+    """The world changes size now: the job renumbers its ranks by ``ranks`` (old -> new;
+    an old rank not in it has left) and counts ``world_size`` of them."""
+
+    ranks: dict[int, int]
+    world_size: int
+
+
+@dataclass(frozen=True)
 class Retry:
     """The recovery failed in a way that a rollback of the step can serve: start it over
     as one (``why``: what made the replay impossible)."""
@@ -118,4 +127,17 @@ class Refused(ValueError):
     """A request the job cannot carry out now; the message says why."""
 
 
-Order = ToAll | ToNode | Say | Note | Reply | Finish | Seal | GiveUp | Settled | Saved | Retry
+Order = (
+    ToAll
+    | ToNode
+    | Say
+    | Note
+    | Reply
+    | Finish
+    | Seal
+    | GiveUp
+    | Settled
+    | Saved
+    | Retry
+    | Renumber
+)

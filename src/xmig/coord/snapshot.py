@@ -39,6 +39,8 @@ def busy_with(job: Job) -> dict[str, Any] | None:
     if job.migration is not None:
         return {"what": "migration", "ranks": [job.migration.rank],
                 "generation": job.migration.generation}  # fmt: skip
+    if job.resizing is not None:
+        return {"what": "resize", "ranks": [], "generation": job.resizing.generation}
     if job.checkpoint is not None:
         return {"what": "checkpoint", "ranks": [], "generation": job.checkpoint.generation}
     if job.batch:
@@ -54,7 +56,8 @@ def revision(job: Job) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     each rewrite the snapshot; agents tell a restarted coordinator again what matters of it).
     Cheap: compared after every event, never a sum over the ranks."""
     decided = (job.state, job.generation, len(job.faults), len(job.batch), len(job.recoveries),
-               len(job.migrations), len(job.lost_nodes), tuple(sorted(job.agents)),
+               len(job.migrations), len(job.resizes), job.world_size, len(job.lost_nodes),
+               tuple(sorted(job.agents)),
                len(job.checks), job.verdict, job.reason, job.jit_checkpoint is not None,
                job.released, job.restarts, len(job.scheduled), len(job.warned),
                job.total_steps, len(job.coordinator_restarts))  # fmt: skip
@@ -89,6 +92,10 @@ def snapshot(job: Job) -> dict[str, Any]:
         "primary": dataclasses.asdict(job.primary) if job.primary is not None else None,
         "recoveries": job.recoveries,
         "migrations": job.migrations,
+        "resizes": job.resizes,
+        "left_ranks": job.left_ranks,
+        "world_size": job.world_size,
+        "scheduled_resizes": job.scheduled_resizes,
         "checks": [[g, _checks_json(c)] for g, c in sorted(job.checks.items())],
         "verdict": job.verdict,
         "reason": job.reason,
@@ -128,6 +135,10 @@ def restore(spec: JobSpec, data: dict[str, Any], now: float, launch: HostLaunch 
         job.primary = FaultRecord(**data["primary"]) if data["primary"] else None
         job.recoveries = list(data["recoveries"])
         job.migrations = list(data["migrations"])
+        job.resizes = list(data.get("resizes", []))
+        job.left_ranks = list(data.get("left_ranks", []))
+        job.world_size = int(data.get("world_size", spec.world_size))
+        job.scheduled_resizes = list(data.get("scheduled_resizes", job.scheduled_resizes))
         job.checks = {int(g): _checks_back(c) for g, c in data["checks"]}
         job.verdict, job.reason = data["verdict"], data["reason"]
         job.lost_nodes = list(data["lost_nodes"])

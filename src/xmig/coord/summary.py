@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from xmig.bitwise import verdict
 from xmig.coord.job import describe_fault
-from xmig.faults.spec import FaultSpec
+from xmig.faults.spec import PLANNED, FaultSpec
 from xmig.protocol import FaultRecord
 
 if TYPE_CHECKING:
@@ -29,9 +29,12 @@ def unfired(job: Job) -> list[str]:
     """Faults given at launch that never happened (migrations included)."""
     fired = [f for faults in job.fired.values() for f in faults]
     moved = {(m["rank"], m.get("why")) for m in job.migrations}
-    never = [f for f in job.spec.faults if f["kind"] != "migrate" and f not in fired]
+    never = [f for f in job.spec.faults if f["kind"] not in PLANNED and f not in fired]
     never += [f for f in job.spec.faults if f["kind"] == "migrate"
               and (f in job.scheduled or (f["rank"], "injected") not in moved)]  # fmt: skip
+    resized = {r.get("why") for r in job.resizes}
+    never += [f for f in job.spec.faults if f["kind"] == "resize"
+              and str(FaultSpec.from_json(f)) not in resized]  # fmt: skip
     return [str(FaultSpec.from_json(f)) for f in never]
 
 
@@ -40,7 +43,8 @@ def status(job: Job) -> dict[str, Any]:
         "job_id": job.spec.job_id,
         "status": job.state.value,
         "generation": job.generation,
-        "world_size": job.spec.world_size,
+        "world_size": job.world_size,
+        "launch_world_size": job.spec.world_size,
         "progress": {str(r): s for r, s in sorted(job.progress.items())},
         "faults": len(job.faults),
         "spares_ready": sum(job.spares_ready.values()),
@@ -72,7 +76,7 @@ def final_fingerprint(job: Job) -> str | None:
 
 def summary(job: Job, now: float) -> dict[str, Any]:
     """The run's outcome, as ``xmig run --summary`` writes it."""
-    ws = job.spec.world_size
+    ws = job.world_size
     never = unfired(job)
     completed = job.state.value == "completed"
     exit_code = 0 if completed else 1
@@ -108,6 +112,10 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "unfired_faults": never,
         "message": message,
         "world_size": ws,
+        "launch_world_size": job.spec.world_size,
+        # the world's size over time: [step it took effect at, size], from the launch on
+        "world_sizes": [[0 if job.spec.resume is None else None, job.spec.world_size]]
+        + [[r["step"], r["new_world"]] for r in job.resizes if not r.get("refused")],
         "nnodes": job.spec.nnodes,
         "nproc_per_node": job.spec.nproc_per_node,
         "steps": steps,
@@ -125,6 +133,8 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "secondary_faults": [f for f in faults if f["secondary"]],
         "recoveries": [_with_checks(job, r) for r in job.recoveries],
         "migrations": job.migrations,
+        "resizes": job.resizes,
+        "left_ranks": job.left_ranks,
         "worker_pids": {str(r): pids for r, pids in sorted(job.worker_pids.items())},
         "worker_containers": {str(r): ids for r, ids in sorted(job.worker_containers.items())},
         "coordinator_pid": os.getpid(),

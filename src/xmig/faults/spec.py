@@ -1,4 +1,5 @@
-"""Fault specifications: ``KIND:rank=R:step=S[:at=POINT][:code=N]``."""
+"""Fault specifications: ``KIND:rank=R:step=S[:at=POINT][:code=N]``, and the planned events
+given the same way: ``migrate:rank=R:step=S[:to=N]``, ``resize:world=N:step=S``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # node: the whole node of the rank is lost at once (its agent, its workers, its spares);
-# migrate: not a fault, a planned move of the rank to another node (to=N) at a step boundary
-KINDS = ("kill", "exit", "raise", "hang", "node", "migrate")
+# migrate: not a fault, a planned move of the rank to another node (to=N) at a step boundary;
+# resize: not a fault either, the world changed to world=N ranks at a step boundary
+KINDS = ("kill", "exit", "raise", "hang", "node", "migrate", "resize")
+# what the coordinator carries out at a step boundary, not the workers' injector
+PLANNED = ("migrate", "resize")
 POINTS = ("forward", "backward", "optimizer", "boundary")
 # where a rank parked in ``step`` is in a peer's recovery, or in writing a just-in-time
 # checkpoint: the fault fires as it begins that phase (``recovery record``'s phase names)
@@ -39,6 +43,7 @@ class FaultSpec:
     at: str = DEFAULT_POINT
     code: int = 1
     to: int | None = None  # migrate: the target node (None: a spare node)
+    world: int | None = None  # resize: the new world size
 
     @property
     def collective(self) -> int | None:
@@ -55,6 +60,8 @@ class FaultSpec:
         return None
 
     def __str__(self) -> str:
+        if self.kind == "resize":
+            return f"resize:world={self.world}:step={self.step}"
         text = f"{self.kind}:rank={self.rank}"
         if self.step is not None:
             text += f":step={self.step}"
@@ -99,6 +106,8 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
         if key in fields:
             raise FaultSpecError(f"{key} given twice in {spec!r}")
         fields[key] = value
+    if kind == "resize":
+        return _parse_resize(fields, spec, require_step)
     unknown = set(fields) - {"rank", "step", "at", "code", "to"}
     if unknown:
         raise FaultSpecError(f"unknown field {sorted(unknown)[0]!r} in {spec!r}")
@@ -146,12 +155,30 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
     return FaultSpec(kind=kind, rank=rank, step=step, at=at, code=code, to=to)
 
 
+def _parse_resize(fields: dict[str, str], spec: str, require_step: bool) -> FaultSpec:
+    unknown = set(fields) - {"world", "step"}
+    if unknown:
+        raise FaultSpecError(f"unknown field {sorted(unknown)[0]!r} in {spec!r} (a resize "
+                             "takes world=N and step=S)")  # fmt: skip
+    if "world" not in fields:
+        raise FaultSpecError(f"missing world=N in {spec!r}")
+    if require_step and "step" not in fields:
+        raise FaultSpecError(f"missing step=S in {spec!r}")
+    world = _int_field("world", fields["world"], spec, 1)
+    step = _int_field("step", fields["step"], spec, 1) if "step" in fields else None
+    return FaultSpec(kind="resize", rank=0, step=step, at="boundary", world=world)
+
+
 def parse_faults(specs: list[str], world_size: int) -> list[FaultSpec]:
     """Parse several specs and check their ranks against the world size."""
     faults = []
     for text in specs:
         fault = parse_fault(text)
-        if fault.rank >= world_size:
+        if fault.kind == "resize":
+            if fault.world is not None and fault.world > world_size:
+                raise FaultSpecError(f"world={fault.world} in {text!r} is larger than the "
+                                     f"launch's world size {world_size}")  # fmt: skip
+        elif fault.rank >= world_size:
             raise FaultSpecError(
                 f"rank {fault.rank} does not exist in {text!r} (world size {world_size})"
             )

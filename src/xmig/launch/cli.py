@@ -604,6 +604,22 @@ def migrate_cmd(
     print(f"xmig: {reply['migration']}")
 
 
+@app.command("scale")
+def scale_cmd(
+    world_size: Annotated[int, typer.Option(help="The number of ranks to go on with.")],
+    job: JobOpt = None,
+    coord: CoordOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Change the number of data-parallel ranks at the next step boundary: the highest ranks
+    leave, the others go on at the new size with their state (nothing is pulled or
+    replayed). The script must draw its data through session.shards()."""
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be at least 1, got {world_size}")
+    reply = _request(job, coord, token, "resize refused", "scale", world_size=world_size)
+    print(f"xmig: {reply['resize']}")
+
+
 @app.command("stop")
 def stop_cmd(
     reason: Annotated[str, typer.Option(help="Why, for the job's outcome.")] = "stopped by request",

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,10 @@ class Migration:
         self._parking_for: int | None = None
         self._ready: Ready | None = None  # this rank readied for its move at the pause
         self._readying = threading.Lock()  # held while tensors are parked or taken back
+        # a pause may end in a change of the world size (``worker/resize.py``): whether this
+        # rank's world can, and what carries it out
+        self.why_not_resize: Callable[[], str | None] = lambda: "not supported"
+        self.on_resize: Callable[[protocol.Resize], None] | None = None
 
     def on_prepare(self, order: protocol.Prepare) -> None:
         """From the order consumer: if this rank is the one to move, make room for its
@@ -184,7 +189,8 @@ class Migration:
         with self._readying:
             park_s = self._ready.park_s if self._ready is not None else 0.0
         ctx.send(protocol.Paused(generation=generation, step=step, t=time.time(),
-                                 stop_s=time.monotonic() - stopped, park_s=park_s))  # fmt: skip
+                                 stop_s=time.monotonic() - stopped, park_s=park_s,
+                                 cannot_resize=self.why_not_resize()))  # fmt: skip
         while True:
             order = ctx.orders.boundary.next(generation, ctx.env.recovery_timeout)
             if order is None:
@@ -197,6 +203,10 @@ class Migration:
                 return
             if isinstance(order, protocol.Dump):
                 self._be_moved(order)
+            elif isinstance(order, protocol.Resize):
+                assert self.on_resize is not None
+                self.on_resize(order)  # a rank that leaves ends in it
+                break
             elif isinstance(order, protocol.Resume):
                 for group in ctx.groups.all():  # the moved rank's connections are closed
                     group.proxy.switch(ctx.comms.communicator(

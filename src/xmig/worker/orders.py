@@ -79,7 +79,8 @@ class Orders:
                  on_prepare: Handler | None = None) -> None:  # fmt: skip
         self.rank = rank
         self.plans = Inbox("recovery")  # a survivor's Rebuild (or Abort), after its Park
-        self.boundary = Inbox("boundary")  # a step loop paused at a boundary: Dump, Resume
+        # a step loop paused at a boundary: Dump, Resume, Resize
+        self.boundary = Inbox("boundary")
         self.digests = Inbox("digests")  # what the peer serving this rank's state sent
         self.released = threading.Event()  # every rank has finished: a finished one may go
         self._on_park = on_park
@@ -94,6 +95,7 @@ class Orders:
             protocol.Pause: on_pause,
             protocol.Dump: self.boundary.hand,
             protocol.Resume: self.boundary.hand,
+            protocol.Resize: self.boundary.hand,
             protocol.Release: lambda _order: self.released.set(),
             protocol.StateAnnounced: self._announced,
             protocol.SaveState: self._save,

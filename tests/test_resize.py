@@ -1,0 +1,88 @@
+"""Changing the world size at a step boundary, with no fault (``--inject resize:``,
+``xmig scale``): the ranks that stay keep their processes and state, the highest ranks leave,
+and the job goes on at the new size with no sample skipped or seen twice.
+
+``tests/scripts/resize_exact.py`` makes every number exact, so its final weight is known in
+advance whatever the world size (-188 after 8 steps): a sample skipped, repeated or misweighed,
+or DDP averaging over the old number of ranks, gives another weight."""
+
+import json
+import re
+import time
+
+from helpers import REPO, fault_free_sha256, finish_run, run, start_run, xmig
+
+EXACT = REPO / "tests" / "scripts" / "resize_exact.py"
+PATTERNS = REPO / "tests" / "scripts" / "patterns.py"
+FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
+STEPS = 8
+EXPECTED_W = -sum(6 * step + 2.5 for step in range(STEPS))  # each step: its batch's mean
+
+
+def exact_job(tmp_path, *extra, steps=STEPS, sleep=0.0):
+    return ["--nproc-per-node", "3", *FAST, *extra, str(EXACT), "--steps", str(steps),
+            "--out", str(tmp_path / "w.json"), "--step-sleep", str(sleep)]  # fmt: skip
+
+
+def final_weight(tmp_path):
+    return json.loads((tmp_path / "w.json").read_text())
+
+
+def test_a_planned_resize_goes_on_at_the_new_size_with_every_sample_once(
+    tmp_path, tmp_path_factory
+):
+    expected = fault_free_sha256(exact_job(tmp_path_factory.mktemp("ref")), tmp_path_factory)
+    result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=4"), tmp_path)
+    assert result.returncode == 0, result.output
+    assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 2}
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected  # the same numbers as at world 3
+    assert summary["world_size"] == 2 and summary["launch_world_size"] == 3
+    assert summary["world_sizes"] == [[0, 3], [4, 2]]
+    assert summary["unfired_faults"] == []
+    (record,) = summary["resizes"]
+    assert record["what"] == "shrunk from 3 to 2 at step 4 (planned)"
+    assert record["left"] == [2] and record["refused"] is None
+    assert record["why"] == "resize:world=2:step=4"
+    # the ranks that stay keep their processes: one each, all through
+    assert {r: len(p) for r, p in summary["worker_pids"].items()} == {"0": 1, "1": 1}
+    (left,) = summary["left_ranks"]
+    assert left["rank"] == 2 and left["pid"] not in summary["worker_pids"]["0"]
+    assert "shrunk from 3 to 2 at step 4" in result.output
+
+
+def test_scale_by_request_shrinks_a_running_job(tmp_path):
+    env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
+    proc = start_run(exact_job(tmp_path, steps=12, sleep=0.3), tmp_path, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = xmig("status", env=env, timeout=30)
+        found = re.search(r"rank 0: step (\d+)", status.stdout)
+        if status.returncode == 0 and found and int(found.group(1)) >= 2:
+            break
+        time.sleep(0.2)
+    scaled = xmig("scale", "--world-size", "1", env=env, timeout=30)
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    assert "from 3 to 1 ranks" in scaled.stdout
+    refused = xmig("scale", "--world-size", "5", env=env, timeout=30)
+    assert refused.returncode == 2 and "resize refused: " in refused.stderr
+    result = finish_run(proc, tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert final_weight(tmp_path) == {"w": -sum(6 * s + 2.5 for s in range(12)),
+                                      "world_size": 1}  # fmt: skip
+    (record,) = result.summary["resizes"]
+    assert record["new_world"] == 1 and record["left"] == [1, 2] and record["why"] == "request"
+
+
+def test_a_world_whose_data_cannot_be_redistributed_is_not_resized(tmp_path, tmp_path_factory):
+    """``session.batches`` keeps each rank's own position: the ranks resume at the old size,
+    and the run is the fault-free one."""
+    args = ["--nproc-per-node", "3", *FAST, str(PATTERNS), "--pattern", "batches"]
+    expected = fault_free_sha256(args, tmp_path_factory)
+    result = run([*args[:-3], "--inject", "resize:world=2:step=3", *args[-3:]], tmp_path)
+    assert result.returncode == 0, result.output
+    assert result.summary["final_params_sha256"] == expected
+    assert result.summary["world_size"] == 3
+    (record,) = result.summary["resizes"]
+    assert "session.batches()" in record["refused"]
+    assert "resize to 2 ranks refused at step 3" in result.output

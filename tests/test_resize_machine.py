@@ -1,0 +1,151 @@
+"""The coordinator's side of a planned resize, without processes: a ``Job`` fed events, one
+test per change of the resize's phase (``coord/resizing.py``)."""
+
+import pytest
+
+from test_coord_machines import T0, running_job, said, sent
+from xmig.coord.machine import JobState
+from xmig.coord.orders import Refused, Reply
+from xmig.coord.resizing import RESIZE_TRANSITIONS, ResizePhase
+from xmig.coord.snapshot import restore, snapshot
+from xmig.faults import parse_fault
+from xmig.protocol import (
+    Abort,
+    Fault,
+    FaultRecord,
+    Pause,
+    Paused,
+    PauseRefused,
+    Progress,
+    Resize,
+    Resume,
+    Resumed,
+    ScaleRequest,
+    WorkerDone,
+)
+
+S = JobState
+
+
+def resizing_job(world=2, **fields):
+    """A job of 3 ranks on 3 nodes at step 3, asked to go on with ``world``."""
+    job = running_job(nnodes=3, **fields)
+    orders = job.on(ScaleRequest(world_size=world), T0)
+    return job, orders
+
+
+def paused(job, step=4, t=T0 + 0.1, why=None, ranks=(0, 1, 2)):
+    orders = []
+    for rank in ranks:
+        orders += job.on(Paused(generation=1, step=step, rank=rank, stop_s=0.01 * (rank + 1),
+                                cannot_resize=why if rank == 1 else None), t)  # fmt: skip
+    return orders
+
+
+def test_scale_pauses_every_rank_at_the_next_boundary():
+    job, orders = resizing_job()
+    assert job.state is S.RESIZING and job.resizing.phase is ResizePhase.PAUSING
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
+    assert isinstance(orders[-1], Reply)
+    assert "from 3 to 2 ranks at the start of step 4" in orders[-1].value["resize"]
+
+
+def test_every_rank_paused_sends_the_new_world_and_renumbers_the_job():
+    job, _ = resizing_job()
+    orders = paused(job)
+    assert job.resizing.phase is ResizePhase.RESIZING
+    assert sent(orders, Resize) == [("all", Resize(generation=1, step=4, world_size=2,
+                                                   ranks=[0, 1, -1]))]  # fmt: skip
+    assert job.world_size == 2 and sorted(job.members) == [0, 1]
+    assert job.members[1].pid == 201 and 202 in job.retiring  # the leaver's end is expected
+
+
+def test_the_new_world_resumed_ends_running_with_the_record():
+    job, _ = resizing_job()
+    paused(job)
+    assert not job.on(Resumed(generation=1, rank=0), T0 + 0.2)
+    orders = job.on(Resumed(generation=1, rank=1), T0 + 0.3)
+    assert job.state is S.RUNNING and job.resizing is None
+    (record,) = job.resizes
+    assert record["what"] == "shrunk from 3 to 2 at step 4 (planned)"
+    assert record["left"] == [2] and record["refused"] is None
+    assert record["phases"]["stop"] == 0.03 and record["downtime_s"] == pytest.approx(0.23)
+    assert any("shrunk from 3 to 2 at step 4" in line for line in said(orders))
+
+
+def test_a_rank_that_cannot_resize_resumes_everyone_at_the_old_size():
+    job, _ = resizing_job()
+    orders = paused(job, why="the data stream 'data' is drawn through session.batches()")
+    assert job.resizing.phase is ResizePhase.REFUSED and not sent(orders, Resize)
+    assert sent(orders, Resume) == [("all", Resume(generation=1))]
+    assert job.world_size == 3
+    for rank in range(3):
+        orders = job.on(Resumed(generation=1, rank=rank), T0 + 0.3)
+    assert job.state is S.RUNNING and job.world_size == 3
+    assert "session.batches()" in job.resizes[0]["refused"]
+    assert any("refused" in line for line in said(orders))
+
+
+def test_pause_refused_moves_the_resize_to_a_later_step():
+    job, _ = resizing_job()
+    job.on(Paused(generation=1, step=4, rank=0), T0)
+    orders = job.on(PauseRefused(generation=1, step=6, rank=2), T0)
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=7))]
+    assert job.resizing.paused == {} and job.resizing.step == 7
+    assert sent(paused(job, step=7), Resize)[0][1].step == 7
+
+
+def test_a_resize_the_job_outran_is_dropped():
+    job, _ = resizing_job()
+    orders = job.on(WorkerDone(rank=0, steps=4, params_sha256=None, checksum=None), T0)
+    assert job.state is S.RUNNING and job.resizing is None
+    assert any("finished first" in line for line in said(orders))
+
+
+def test_a_fault_during_the_resize_stops_the_job():
+    job, _ = resizing_job()
+    record = FaultRecord(rank=0, node=0, pid=200, attempt=0, kind="signal", detail="SIGKILL",
+                         step=4, t_fault=T0, t_detected=T0, fault_time_source="detection",
+                         detected_after_s=0.0)  # fmt: skip
+    orders = job.on(Fault(record=record), T0 + 0.1)
+    assert sent(orders, Abort) and job.state is S.STOPPING
+
+
+def test_a_resize_past_its_deadline_fails():
+    job, _ = resizing_job(recovery_timeout=5.0)
+    orders = job.on(Paused(generation=1, step=4, rank=0), T0 + 6.0)
+    assert job.state is S.STOPPING and any("not resized within" in s for s in said(orders))
+
+
+@pytest.mark.parametrize("world, why", [
+    (3, "already 3"), (4, "not supported yet"), (0, "not possible"),
+])  # fmt: skip
+def test_sizes_that_cannot_be_had_are_refused(world, why):
+    job = running_job(nnodes=3)
+    with pytest.raises(Refused, match=why):
+        job.on(ScaleRequest(world_size=world), T0)
+    assert job.state is S.RUNNING and job.generation == 0
+
+
+def test_an_injected_resize_starts_when_a_rank_nears_its_step():
+    spec = parse_fault("resize:world=1:step=6").to_json()
+    job = running_job(nnodes=3, faults=(spec,))
+    assert not sent(job.on(Progress(rank=0, step=4), T0), Pause)
+    orders = job.on(Progress(rank=1, step=5), T0)
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=6))]
+    assert job.resizing.why == "resize:world=1:step=6"
+
+
+def test_a_snapshot_keeps_the_world_size_and_the_resizes():
+    job, _ = resizing_job()
+    paused(job)
+    for rank in (0, 1):
+        job.on(Resumed(generation=1, rank=rank), T0 + 0.3)
+    again = restore(job.spec, snapshot(job), T0 + 1)
+    assert again.world_size == 2 and again.resizes == job.resizes
+
+
+def test_every_phase_can_end():
+    ended = {ResizePhase.DONE, ResizePhase.DROPPED, ResizePhase.FAILED}
+    for phase, targets in RESIZE_TRANSITIONS.items():
+        assert phase in ended or ResizePhase.FAILED in targets, phase
