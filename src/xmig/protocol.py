@@ -29,7 +29,7 @@ The channels between processes, all of them:
   the prefix ``xmig.ccl.store_namespace(token)``; the state pulled over a pair communicator
   is checked against the digest its sender announced here (``StateSent``/``StateAnnounced``);
 - the job file (``~/.xmig/jobs/ID.json``, owner-only: coordinator address and token) that
-  ``xmig status|inject|migrate|stop`` read, and the job's folder (its event log, and the
+  ``xmig status|inject|migrate|scale|stop`` read, and the job's folder (its event log, and the
   coordinator's snapshot that a restarted one reads: ``xmig.coord.snapshot``);
 - with one launcher per host, a host's own launch from its launcher to its agent
   (``XMIG_HOST_LAUNCH``); a restarted coordinator's count (``XMIG_COORD_RESTART``);

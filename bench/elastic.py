@@ -1,0 +1,147 @@
+"""What changing the world size costs: xmig's resize at a step boundary against a full
+restart of the job at the new size, paired in one run (ABBA).
+
+- ``resize``: a job of ``--world`` ranks with ``--inject resize:world=N:step=S``; the time is
+  the resize record's downtime (from the pause boundary to every rank of the new world
+  resumed) and its total (from the order to the end, the job training on to the pause step
+  included).
+- ``restart``: what a job without resizing does instead: a new job of N ranks is launched;
+  the time is from the launch to the start of its first step on its slowest rank (process
+  start, imports, the process group, the model and DDP). Loading a checkpoint, which a real
+  restart also needs, is not counted: the baseline is a lower bound.
+
+The model is an MLP (``--hidden``, ``--layers``) trained on ``session.shards`` (CPU, gloo).
+
+    python bench/elastic.py --world 3 --to 2 --rounds 2 --out bench/results/elastic-raw.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+SCRIPT = textwrap.dedent("""
+    import argparse, json, os, time
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    import xmig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--marks")
+    args = parser.parse_args()
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4096
+
+        def __getitem__(self, i):
+            return torch.randn(args.hidden), int(i % 8)
+
+    session = xmig.init(seed=0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 8))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    session.register(model=ddp, optimizer=optimizer)
+    data = session.shards(Data(), batch=48)
+    for step in session.steps(args.steps):
+        if step == 0 and args.marks:
+            with open(os.path.join(args.marks, f"rank{session.rank}"), "w") as out:
+                out.write(str(time.time()))
+        x, y = next(data)
+        loss = torch.nn.functional.cross_entropy(ddp(x), y) * data.weight
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+""")
+FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "5"]
+
+
+def xmig_run(folder: Path, world: int, extra: list[str], script_args: list[str]) -> dict:
+    summary = folder / "summary.json"
+    cmd = [sys.executable, "-m", "xmig", "run", "--summary", str(summary), "--nproc-per-node",
+           str(world), *FAST, *extra, str(folder / "job.py"), *script_args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=folder)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+    return json.loads(summary.read_text())
+
+
+def resize_once(folder: Path, args: argparse.Namespace) -> dict:
+    inject = ["--inject", f"resize:world={args.to}:step={args.step}"]
+    summary = xmig_run(folder, args.world, inject, script_args(args, args.step + 3))
+    (record,) = summary["resizes"]
+    return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
+            "phases": record["phases"]}  # fmt: skip
+
+
+def restart_once(folder: Path, args: argparse.Namespace) -> dict:
+    marks = folder / "marks"
+    marks.mkdir(exist_ok=True)
+    for old in marks.iterdir():
+        old.unlink()
+    launched = time.time()
+    xmig_run(folder, args.to, [], [*script_args(args, 2), "--marks", str(marks)])
+    first = max(float(p.read_text()) for p in marks.iterdir())
+    return {"downtime_s": round(first - launched, 4)}
+
+
+def script_args(args: argparse.Namespace, steps: int) -> list[str]:
+    return ["--steps", str(steps), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=3)
+    parser.add_argument("--to", type=int, default=2)
+    parser.add_argument("--step", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {"resize": [], "restart": []}
+    with tempfile.TemporaryDirectory(prefix="xmig-elastic-") as tmp:
+        folder = Path(tmp)
+        (folder / "job.py").write_text(SCRIPT)
+        os.environ.setdefault("XMIG_JOBS_DIR", str(folder / "jobs"))
+        for _ in range(args.rounds):
+            for kind in ("resize", "restart", "restart", "resize"):
+                run = resize_once if kind == "resize" else restart_once
+                result = run(folder, args)
+                results[kind].append(result)
+                print(f"{kind}: {result}", flush=True)
+    resize = [r["downtime_s"] for r in results["resize"]]
+    restart = [r["downtime_s"] for r in results["restart"]]
+    ratios = sorted(b / a for a, b in zip(resize, restart, strict=True))
+    report = {
+        "world": args.world, "to": args.to, "step": args.step,
+        "params": args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * 8 + 8,
+        "resize_downtime_s": resize, "resize_total_s": [r["total_s"] for r in results["resize"]],
+        "restart_to_first_step_s": restart,
+        "median_resize_s": statistics.median(resize),
+        "median_restart_s": statistics.median(restart),
+        "restart_over_resize": {"median": statistics.median(ratios), "min": ratios[0],
+                                "max": ratios[-1]},
+        "raw": results,
+    }  # fmt: skip
+    print(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
