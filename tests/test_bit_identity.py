@@ -158,3 +158,19 @@ def test_xmig_check_refuses_bad_input(tmp_path):
     assert "leave it out" in check(tmp_path, "--inject", "kill:rank=1:step=2", str(SCRIPT)).stderr
     one = check(tmp_path, *job(1, "batches", 0))
     assert one.returncode == 2 and "one rank has no peer" in one.stderr
+
+
+def test_a_rolled_back_step_takes_back_the_learning_rate_its_scheduler_set(
+    tmp_path, tmp_path_factory
+):
+    """A step rolled back (``--no-replay-log``) still runs the script's ``scheduler.step()``
+    to its end; StepLR (step 2, gamma 0.5) halves the learning rate in the optimizer at the end
+    of step 5. Restoring the scheduler alone left it halved: the redone step 5 trained at a
+    quarter, silently."""
+    expected = reference(tmp_path_factory, 2, "batches", 0)
+    result = run(job(2, "batches", 0, "--no-replay-log", "--inject",
+                     "kill:rank=1:step=5:at=backward"), tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    assert result.summary["final_params_sha256"] == expected, "not bit-identical"
+    (record,) = result.summary["recoveries"]
+    assert record["mode"] == "rollback"

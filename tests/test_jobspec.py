@@ -103,6 +103,8 @@ MIGRATE_TO_3 = {"kind": "migrate", "rank": 1, "step": 2, "at": "boundary", "to":
         ({"stop_grace": -0.1}, "--stop-grace must not be negative"),
         ({"recovery_timeout": 0.0}, "--recovery-timeout must be positive"),
         ({"max_recoveries": -1}, "--max-recoveries must not be negative"),
+        ({"on_no_spare": "wait"}, "--on-no-spare must be stop or shrink, got 'wait'"),
+        ({"min_world_size": 3}, "--min-world-size must be 1..2 (the world size), got 3"),
         ({"hot_spares": -1}, "--hot-spares must not be negative"),
         ({"spare_nodes": -1}, "--spare-nodes must not be negative"),
         ({"agent_connect_timeout": 0.0}, "the agents' connect timeout must be positive"),

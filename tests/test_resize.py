@@ -86,3 +86,44 @@ def test_a_world_whose_data_cannot_be_redistributed_is_not_resized(tmp_path, tmp
     (record,) = result.summary["resizes"]
     assert "session.batches()" in record["refused"]
     assert "resize to 2 ranks refused at step 3" in result.output
+
+
+NODES = ["--nnodes", "3", "--nproc-per-node", "1", "--simulate-hosts", *FAST]
+
+
+def shards_job(*extra):
+    return [*NODES, *extra, str(PATTERNS), "--pattern", "shards", "--slow-backward"]
+
+
+def test_a_lost_node_without_a_spare_shrinks_the_world_as_the_planned_resize_would(
+    tmp_path, tmp_path_factory
+):
+    """3 simulated hosts, no spare: rank 1's node is lost mid-backward in step 5; the
+    survivors roll the step back and go on at 2 ranks from it, bit-identical to the
+    fault-free run resized to 2 at step 5 (uneven shares of 10 at 3 ranks, SGD with
+    momentum, a StepLR that changes the learning rate at the end of step 5, dropout)."""
+    expected = fault_free_sha256(shards_job("--inject", "resize:world=2:step=5"),
+                                 tmp_path_factory)  # fmt: skip
+    result = run(shards_job("--on-no-spare", "shrink", "--inject",
+                            "node:rank=1:step=5:at=backward"), tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected, "not the planned resize's run"
+    (record,) = summary["resizes"]
+    assert record["cause"] == "node lost" and record["lost"] == [1] and record["step"] == 5
+    assert record["what"] == "shrunk from 3 to 2 at step 5 (node lost)"
+    assert summary["world_sizes"] == [[0, 3], [5, 2]] and summary["lost_nodes"] == [1]
+    # the survivors kept their processes: old rank 2 is rank 1 now
+    assert {r: len(p) for r, p in summary["worker_pids"].items()} == {"0": 1, "1": 1}
+    assert summary["worker_nodes"] == {"0": 0, "1": 2}
+    assert summary["unfired_faults"] == []
+
+
+def test_a_shrink_below_the_minimum_stops_with_a_checkpoint(tmp_path):
+    result = run(shards_job("--on-no-spare", "shrink", "--min-world-size", "3", "--inject",
+                            "node:rank=2:step=4:at=backward"), tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.output
+    assert "below --min-world-size 3" in result.summary["message"]
+    saved = result.summary["jit_checkpoint"]
+    assert saved["path"] and saved["step"] == 4
+    assert result.summary["resizes"] == [] and result.summary["world_size"] == 3

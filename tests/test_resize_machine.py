@@ -5,7 +5,7 @@ import pytest
 
 from test_coord_machines import T0, running_job, said, sent
 from xmig.coord.machine import JobState
-from xmig.coord.orders import Refused, Reply
+from xmig.coord.orders import Refused, Reply, Tick
 from xmig.coord.resizing import RESIZE_TRANSITIONS, ResizePhase
 from xmig.coord.snapshot import restore, snapshot
 from xmig.faults import parse_fault
@@ -13,14 +13,18 @@ from xmig.protocol import (
     Abort,
     Fault,
     FaultRecord,
+    Park,
+    Parked,
     Pause,
     Paused,
     PauseRefused,
+    Position,
     Progress,
     Resize,
     Resume,
     Resumed,
     ScaleRequest,
+    Shrink,
     WorkerDone,
 )
 
@@ -149,3 +153,69 @@ def test_every_phase_can_end():
     ended = {ResizePhase.DONE, ResizePhase.DROPPED, ResizePhase.FAILED}
     for phase, targets in RESIZE_TRANSITIONS.items():
         assert phase in ended or ResizePhase.FAILED in targets, phase
+
+
+# ---- a shrink: a lost node whose ranks have no spare -----------------------------------------
+
+
+def shrinking_job(**fields):
+    """3 ranks on 3 nodes at step 3, ``--on-no-spare shrink``; node 1 is lost."""
+    from xmig.coord.orders import AgentLost
+
+    job = running_job(nnodes=3, on_no_spare="shrink", checkpoint_dir="/ckpt", **fields)
+    orders = job.on(AgentLost(1), T0)
+    orders += job.on(Tick(), T0 + 1.0)  # the fault settles
+    return job, orders
+
+
+def parked_at(job, step=3, stepped=(), t=T0 + 1.1):
+    orders = []
+    for rank in (0, 2):
+        orders += job.on(Parked(generation=1, rank=rank, position=Position(
+            step=step, state_step=step + 1 if rank in stepped else step, log_from=step - 1,
+            keep_log=True, signatures={})), t)  # fmt: skip
+    return orders
+
+
+def test_a_lost_node_without_a_spare_parks_the_survivors_for_a_shrink():
+    job, orders = shrinking_job()
+    assert job.state is S.RESIZING and job.resizing.phase is ResizePhase.PARKING
+    assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
+    assert job.resizing.survivors == [0, 2]
+
+
+def test_the_survivors_parked_in_one_step_roll_it_back_and_pause_there():
+    job, _ = shrinking_job()
+    orders = parked_at(job)
+    assert sent(orders, Shrink) == [("all", Shrink(generation=1, step=3))]
+    assert job.resizing.phase is ResizePhase.PAUSING
+    orders = paused(job, step=3, ranks=(0, 2))
+    assert sent(orders, Resize) == [("all", Resize(generation=1, step=3, world_size=2,
+                                                   ranks=[0, -1, 1]))]  # fmt: skip
+    job.on(Resumed(generation=1, rank=0), T0 + 1.3)
+    job.on(Resumed(generation=1, rank=1), T0 + 1.3)
+    (record,) = job.resizes
+    assert record["cause"] == "node lost" and record["lost"] == [1]
+    assert job.state is S.RUNNING and job.members[1].node == 2
+
+
+def test_a_survivor_past_its_update_cannot_be_rolled_back_and_the_state_is_saved():
+    job, _ = shrinking_job()
+    orders = parked_at(job, stepped=(2,))
+    assert job.state is S.CHECKPOINTING and not sent(orders, Shrink)
+    assert any("taken the update" in line for line in said(orders))
+
+
+def test_a_shrink_below_the_minimum_saves_the_state():
+    job, orders = shrinking_job(min_world_size=3)
+    assert job.state is S.CHECKPOINTING and job.resizing is None
+    assert any("below --min-world-size 3" in line for line in said(orders))
+
+
+def test_without_shrink_a_lost_node_stops_the_job_as_before():
+    from xmig.coord.orders import AgentLost
+
+    job = running_job(nnodes=3, checkpoint_dir="/ckpt")
+    orders = job.on(AgentLost(1), T0) + job.on(Tick(), T0 + 1.0)
+    assert job.state is S.CHECKPOINTING
+    assert any("no spare node" in line for line in said(orders))

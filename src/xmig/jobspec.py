@@ -88,6 +88,10 @@ class JobSpec:
     max_recoveries: int = DEFAULT_MAX_RECOVERIES
     hot_spares: int = DEFAULT_HOT_SPARES
     spare_nodes: int = DEFAULT_SPARE_NODES
+    # a lost node whose ranks have no spare node: "stop" (the state saved) or "shrink" (go
+    # on without its ranks, down to ``min_world_size``)
+    on_no_spare: str = "stop"
+    min_world_size: int = 1
     simulate_hosts: bool = DEFAULT_SIMULATE_HOSTS
     log_level: str = DEFAULT_LOG_LEVEL
     strict: bool = DEFAULT_STRICT  # a recovery shown not to be bit-identical stops the job
@@ -138,6 +142,13 @@ class JobSpec:
             raise JobSpecError("--recovery-timeout must be positive")
         if self.max_recoveries < 0:
             raise JobSpecError("--max-recoveries must not be negative")
+        if self.on_no_spare not in ("stop", "shrink"):
+            raise JobSpecError(f"--on-no-spare must be stop or shrink, got {self.on_no_spare!r}")
+        if not 1 <= self.min_world_size <= self.nnodes * self.nproc_per_node:
+            raise JobSpecError(
+                f"--min-world-size must be 1..{self.nnodes * self.nproc_per_node} "
+                f"(the world size), got {self.min_world_size}"
+            )
         if self.coordinator_restarts < 0:
             raise JobSpecError("--coordinator-restarts must not be negative")
         if self.rejoin_timeout <= 0:

@@ -802,6 +802,17 @@ class Dump(Message):
     serve: bool
 
 
+@message("shrink", C, A, relay=Relay.ALL)
+@wire
+class Shrink(Message):
+    """A lost node's ranks have nowhere to run: every parked survivor finishes the step it
+    is parked in without the network or an optimizer update, and pauses at the start of
+    ``step`` (that step, redone), where the world changes size (``Resize``)."""
+
+    generation: int
+    step: int
+
+
 @message("resize", C, A, relay=Relay.ALL)
 @wire
 class Resize(Message):

@@ -35,10 +35,18 @@ def placement(job: Job, replaced: list[int]) -> dict[int, int]:
     return placed
 
 
-def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int]) -> str | None:
-    """Why the fault cannot be recovered in place (None: it can)."""
+def nodes_without_spare(job: Job, replaced: list[int]) -> bool:
+    """Whether the lost nodes of ``replaced`` outnumber the idle nodes that could take them."""
     homeless = {job.members[r].node for r in replaced if r in job.members} - job.agents
-    if len(homeless) > len(idle_nodes(job)):
+    return len(homeless) > len(idle_nodes(job))
+
+
+def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int],
+                    shrinking: bool = False) -> str | None:  # fmt: skip
+    """Why the fault cannot be recovered in place (None: it can); ``shrinking``: without
+    replacements, the world going on without ``replaced``."""
+    homeless = {job.members[r].node for r in replaced if r in job.members} - job.agents
+    if not shrinking and len(homeless) > len(idle_nodes(job)):
         return (f"node {sorted(homeless)[0]} was lost and there is no spare node to take its "
                 "ranks (--spare-nodes)")  # fmt: skip
     if len(job.recoveries) >= job.spec.max_recoveries:
@@ -47,7 +55,7 @@ def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int]) -> str 
     if unmanaged:
         return f"rank {unmanaged[0]} never called xmig.init(), so it cannot be parked"
     missing = sorted(r for r in replaced if r not in job.members)
-    if missing:
+    if missing and not shrinking:
         return f"rank {missing[0]} never started, so there is nothing to replace"
     gone = sorted(job.exited - set(replaced))
     if gone:

@@ -42,7 +42,7 @@ from xmig.coord.orders import (
     ToNode,
 )
 from xmig.coord.recovery import Recovery
-from xmig.coord.resize import Refusal, ResizePlan, plan_planned
+from xmig.coord.resize import OnNoSpare, Refusal, ResizePlan, plan_planned, plan_shrink
 from xmig.coord.resizing import ResizePhase, Resizing
 from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from xmig.jobspec import HostLaunch, JobSpec, JobSpecError
@@ -131,10 +131,10 @@ TRANSITIONS: dict[JobState, set[JobState]] = {
         S.FAILED,
     },  # fmt: skip
     S.RUNNING: {S.SETTLING, S.MIGRATING, S.RESIZING, S.STOPPING, S.COMPLETED},
-    S.SETTLING: {S.RECOVERING, S.CHECKPOINTING, S.STOPPING},
+    S.SETTLING: {S.RECOVERING, S.RESIZING, S.CHECKPOINTING, S.STOPPING},
     S.RECOVERING: {S.RUNNING, S.RECOVERING, S.CHECKPOINTING, S.STOPPING},  # again: a retry
     S.MIGRATING: {S.RUNNING, S.STOPPING},
-    S.RESIZING: {S.RUNNING, S.STOPPING},
+    S.RESIZING: {S.RUNNING, S.CHECKPOINTING, S.STOPPING},  # a shrink given up saves
     S.CHECKPOINTING: {S.STOPPING},
     S.STOPPING: {S.FAILED},
     S.COMPLETED: set(),
@@ -147,7 +147,7 @@ REJOIN_EVENTS = (AgentHello, AgentLost, Tick, StatusRequest, StopJob)
 RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
 MIGRATION_EVENTS = (Prepared, Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
 CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
-RESIZE_EVENTS = (Paused, PauseRefused, Resumed)
+RESIZE_EVENTS = (Parked, Paused, PauseRefused, Resumed)
 
 
 class IllegalTransition(AssertionError):
@@ -534,7 +534,8 @@ class Job:
             return [Note("expected_exit", {"rank": record.rank, "pid": record.pid})]
         stale = record.generation is not None and record.generation < self.generation
         busy = (S.RECOVERING, S.CHECKPOINTING)
-        if record.kind == "comm_error" and (self.state in busy or stale):
+        shrinking = self.resizing is not None and bool(self.resizing.lost)
+        if record.kind == "comm_error" and (self.state in busy or stale or shrinking):
             return []  # a survivor noticing the fault that is being recovered from
         if self.state in (S.STARTING, S.RUNNING):
             self.batch, self.settle_started = [record], now
@@ -711,6 +712,8 @@ class Job:
 
     def _start_recovery(self, primary: FaultRecord, replaced: list[int], now: float,
                         no_replay: str | None = None) -> list[Order]:  # fmt: skip
+        if self.spec.on_no_spare == "shrink" and decide.nodes_without_spare(self, replaced):
+            return self._start_shrink(primary, replaced, now)
         why_not = decide.why_no_recovery(self, primary, replaced)
         if why_not is not None:
             self.reason = why_not
@@ -797,9 +800,11 @@ class Job:
         """End a recovery or migration that cannot finish, with ``reason``: after a recovery
         the survivors save their state first; otherwise every worker is told and the job
         stops."""
-        recovery = self.recovery
+        recovery, resizing = self.recovery, self.resizing
         self.recovery = self.migration = self.resizing = None
         self.reason = reason
+        if resizing is not None and resizing.lost:  # a shrink: the survivors hold the state
+            return [Say(f"{what}: {reason}"), *self._save(resizing.survivors, now)]
         if recovery is not None:
             holders = [r for r in recovery.survivors if r not in recovery.lost]
             # the replacements have no state to save, and a survivor may wait for one of
@@ -991,6 +996,33 @@ class Job:
                   *self.resizing.start(now), Say(text)]  # fmt: skip
         return text, orders
 
+    def _start_shrink(self, primary: FaultRecord, replaced: list[int],
+                      now: float) -> list[Order]:  # fmt: skip
+        """A lost node's ranks have no spare (``--on-no-spare shrink``): go on without them,
+        from the step the survivors are parked in, rolled back; or stop, saving the state."""
+        holders = [r for r in range(self.world_size) if r not in replaced]
+        why_not = decide.why_no_recovery(self, primary, replaced, shrinking=True)
+        nodes = {r: m.node for r, m in self.members.items()}
+        lost = {self.members[r].node for r in replaced if r in self.members} - self.agents
+        plan = (Refusal(why_not, stop=True) if why_not is not None else
+                plan_shrink(nodes, lost, primary.step or 0, self.spec.min_world_size,
+                            OnNoSpare.SHRINK))  # fmt: skip
+        if isinstance(plan, Refusal):
+            self.reason = plan.reason
+            return [Say(f"no shrink: {plan.reason}"), *self._save(holders, now)]
+        gone = sorted(set(range(self.world_size)) - set(plan.ranks))
+        self.generation += 1
+        self.resizing = Resizing(self.generation, plan, summary.describe(primary), started=now,
+                                 deadline=now + self.spec.recovery_timeout, lost=gone,
+                                 t_fault=primary.t_fault)  # fmt: skip
+        return [*self._enter(S.RESIZING, now),
+                Note("generation", {"generation": self.generation, "why": "shrink",
+                                    "lost": gone}),
+                *self.resizing.start(now),
+                Say(f"no spare node for ranks {gone}: shrinking the world from "
+                    f"{plan.old_world} to {plan.new_world} ranks (generation "
+                    f"{self.generation})")]  # fmt: skip
+
     def _renumber(self, order: Renumber) -> None:
         """The world's ranks from now on: those that stay under their new numbers."""
         ranks = order.ranks
@@ -1001,7 +1033,8 @@ class Job:
         left = {r: self.members[r].pid for r in self.members if r not in ranks}
         self.retiring.update(left.values())  # their ends are expected
         self.left_ranks += [{"rank": r, "pid": pid, "node": self.members[r].node,
-                             "pids": self.worker_pids.get(r, []), "world_size": order.world_size}
+                             "pids": self.worker_pids.get(r, []), "world_size": order.world_size,
+                             "fired": self.fired.get(r, [])}
                             for r, pid in sorted(left.items())]  # fmt: skip
         self.members = moved(self.members)
         self.worker_pids = moved(self.worker_pids)

@@ -1,11 +1,16 @@
-"""One change of the world size at a step boundary, with no fault (``xmig scale``,
-``--inject resize:``).
+"""One change of the world size at a step boundary: asked for (``xmig scale``,
+``--inject resize:``), or forced by a lost node whose ranks have no spare (a shrink).
 
 Every rank pauses at the start of the same step, as for a migration (no collective in flight).
 Each paused rank says whether its world can change size there; if one cannot, every rank
 resumes at the old size and the job goes on. Otherwise each agent renumbers its workers, the
 ranks that leave end, and the ranks that stay build the new world's communicator and DDP
 at the new size, move their data streams to their new share, and resume (``Resumed``).
+
+A shrink first parks the survivors where the fault found them (as a recovery does); if every
+one of them is in the same step and none has taken its update, each finishes that step
+locally without an update (``Shrink``) and pauses where it starts again, and the resize goes
+on from the pause as a planned one does: so it ends as the planned resize at that step.
 """
 
 from __future__ import annotations
@@ -16,10 +21,23 @@ from typing import Any
 
 from xmig.coord.orders import GiveUp, Note, Order, Renumber, Say, Settled, ToAll
 from xmig.coord.resize import ResizePlan
-from xmig.protocol import Pause, Paused, PauseRefused, Resize, Resume, Resumed, WorkerDone
+from xmig.protocol import (
+    Park,
+    Parked,
+    Pause,
+    Paused,
+    PauseRefused,
+    Position,
+    Resize,
+    Resume,
+    Resumed,
+    Shrink,
+    WorkerDone,
+)
 
 
 class ResizePhase(enum.Enum):
+    PARKING = "parking"  # a shrink: the survivors park where the fault found them
     PAUSING = "pausing"  # every rank pauses at the start of ``step``
     RESIZING = "resizing"  # the ranks that stay build the new world
     DONE = "done"
@@ -30,6 +48,7 @@ class ResizePhase(enum.Enum):
 
 # ResizePhase -> the phases it may go to
 RESIZE_TRANSITIONS: dict[ResizePhase, set[ResizePhase]] = {
+    ResizePhase.PARKING: {ResizePhase.PAUSING, ResizePhase.FAILED},
     ResizePhase.PAUSING: {ResizePhase.RESIZING, ResizePhase.REFUSED, ResizePhase.DROPPED,
                           ResizePhase.FAILED},
     ResizePhase.RESIZING: {ResizePhase.DONE, ResizePhase.FAILED},
@@ -56,6 +75,9 @@ class Resizing:
     started: float
     deadline: float
     phase: ResizePhase = ResizePhase.PAUSING
+    lost: list[int] = field(default_factory=list)  # a shrink: the old ranks lost
+    t_fault: float | None = None  # a shrink: when the fault happened
+    positions: dict[int, Position] = field(default_factory=dict)  # a shrink: where each parked
     paused: dict[int, int] = field(default_factory=dict)
     refusals: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot resize
     resumed: set[int] = field(default_factory=set)
@@ -66,11 +88,20 @@ class Resizing:
     def step(self) -> int:
         return self.plan.step
 
+    @property
+    def survivors(self) -> list[int]:
+        """The old ranks that take part: every one, less a shrink's lost ones."""
+        return [r for r in range(self.plan.old_world) if r not in self.lost]
+
     def start(self, now: float) -> list[Order]:
-        return [Note("resize", {"generation": self.generation, "phase": self.phase.value,
-                                "from": self.plan.old_world, "to": self.plan.new_world,
-                                "step": self.step, "after_s": 0.0}),
-                ToAll(Pause(generation=self.generation, step=self.step))]  # fmt: skip
+        if self.lost:
+            self.phase = ResizePhase.PARKING
+        note = Note("resize", {"generation": self.generation, "phase": self.phase.value,
+                               "from": self.plan.old_world, "to": self.plan.new_world,
+                               "step": self.step, "after_s": 0.0})  # fmt: skip
+        if self.lost:
+            return [note, ToAll(Park(generation=self.generation, replaced=self.lost))]
+        return [note, ToAll(Pause(generation=self.generation, step=self.step))]
 
     def _enter(self, phase: ResizePhase, now: float, **fields: Any) -> list[Order]:
         if phase not in RESIZE_TRANSITIONS[self.phase]:
@@ -104,6 +135,13 @@ class Resizing:
             return []
         if getattr(event, "generation", None) != self.generation:
             return []
+        if isinstance(event, Parked) and phase is ResizePhase.PARKING:
+            if event.rank not in self.survivors:
+                return []
+            self.positions[event.rank] = event.position
+            if len(self.positions) < len(self.survivors):
+                return []
+            return self._parked(now)
         if isinstance(event, PauseRefused) and phase is ResizePhase.PAUSING:
             self._with_step(max(self.step, event.step + 1))
             self.paused.clear()
@@ -118,7 +156,7 @@ class Resizing:
                 self.stop_s = max(self.stop_s, event.stop_s)
                 if event.cannot_resize:
                     self.refusals[event.rank] = event.cannot_resize
-            if len(self.paused) < self.plan.old_world:
+            if len(self.paused) < len(self.survivors):
                 return []
             if self.refusals:
                 why = min(self.refusals.items())[1]
@@ -147,12 +185,29 @@ class Resizing:
             return [*orders, Settled(record, describe_resize(record))]
         return []
 
+    def _parked(self, now: float) -> list[Order]:
+        """Every survivor of a shrink is parked: roll the step back and pause at its start,
+        if they are all in the same step and none took its update."""
+        steps = sorted({p.step for p in self.positions.values()})
+        stepped = sorted(r for r, p in self.positions.items() if p.state_step != p.step)
+        if len(steps) > 1:
+            return self.fail(f"the survivors are parked in different steps ({steps}): the "
+                             "step cannot be rolled back on all of them", now)  # fmt: skip
+        if stepped:
+            return self.fail(f"rank {stepped[0]} had taken the update of step {steps[0]} when "
+                             "the node was lost: the step cannot be rolled back", now)  # fmt: skip
+        self._with_step(steps[0])
+        return [*self._enter(ResizePhase.PAUSING, now, step=self.step),
+                ToAll(Shrink(generation=self.generation, step=self.step))]  # fmt: skip
+
     def record(self) -> dict[str, Any]:
         t = self.times
         end = t.get("done", self.started)
         quiesced = t.get("resizing", self.started)  # every rank paused
+        pausing = t.get("pausing", self.started)  # a shrink: every survivor parked
         phases = {
-            "quiesce": quiesced - self.started,  # the job trains on to the pause step
+            "park": pausing - self.started,  # a shrink: the survivors park (0 planned)
+            "quiesce": quiesced - pausing,  # to the pause step (a shrink: the step rolled back)
             "stop": self.stop_s,  # from the pause boundary to the rank's report
             "rebuild": end - quiesced,  # renumbered, new communicator and DDP, resumed
         }
@@ -166,11 +221,15 @@ class Resizing:
             "new_world": self.plan.new_world,
             "ranks": {str(old): new for old, new in sorted(self.plan.ranks.items())},
             "left": self.plan.dropped,
+            "lost": self.lost,
             # why a rank's world could not change size (the job went on at the old size)
             "refused": min(self.refusals.items())[1] if self.refusals else None,
             "what": self.plan.describe(),
             "phases": {k: round(max(0.0, v), 4) for k, v in phases.items()},
-            "downtime_s": round(self.stop_s + end - quiesced, 4),
+            # a shrink: from the fault; planned: from the pause boundary
+            "downtime_s": round(
+                end - self.t_fault if self.t_fault is not None else self.stop_s + end - quiesced, 4
+            ),  # fmt: skip
             "total_s": round(end - self.started, 4),
         }
 
@@ -183,6 +242,7 @@ def describe_resize(record: dict[str, Any]) -> str:
             f"resize to {record['new_world']} ranks refused at step {record['step']}: "
             f"{record['refused']}; the job went on at {record['old_world']} [{phases}]"
         )
-    left = f", ranks {record['left']} left" if record["left"] else ""
+    gone = "lost" if record.get("lost") else "left"
+    left = f", ranks {record['left']} {gone}" if record["left"] else ""
     return (f"{record['what']} in {record['total_s']:.2f} s (downtime "
             f"{record['downtime_s']:.2f} s{left}) [{phases}]")  # fmt: skip

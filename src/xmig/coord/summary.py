@@ -28,6 +28,7 @@ def by_rank(values: dict[int, Any]) -> str:
 def unfired(job: Job) -> list[str]:
     """Faults given at launch that never happened (migrations included)."""
     fired = [f for faults in job.fired.values() for f in faults]
+    fired += [f for left in job.left_ranks for f in left.get("fired", [])]
     moved = {(m["rank"], m.get("why")) for m in job.migrations}
     never = [f for f in job.spec.faults if f["kind"] not in PLANNED and f not in fired]
     never += [f for f in job.spec.faults if f["kind"] == "migrate"

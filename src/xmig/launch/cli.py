@@ -254,6 +254,16 @@ def run(
         int,
         typer.Option(help="Idle nodes (agents without workers) that take over a lost node."),
     ] = DEFAULT_SPARE_NODES,
+    on_no_spare: Annotated[
+        str,
+        typer.Option(
+            help="When a lost node's ranks have no spare node: stop (with a just-in-time "
+            "checkpoint) or shrink (go on without them, as `xmig scale` would)."
+        ),
+    ] = "stop",
+    min_world_size: Annotated[
+        int, typer.Option(help="With --on-no-spare shrink: the fewest ranks to go on with.")
+    ] = 1,
     simulate_hosts: Annotated[
         bool,
         typer.Option(
@@ -384,6 +394,8 @@ def run(
         max_recoveries=max_recoveries,
         hot_spares=hot_spares,
         spare_nodes=spare_nodes,
+        on_no_spare=on_no_spare,
+        min_world_size=min_world_size,
         simulate_hosts=simulate_hosts,
         log_level=log_level.upper(),
         strict=strict,

@@ -142,6 +142,12 @@ class Migration:
                 # paused at an earlier boundary of a superseded order: go on to this one
                 self._ctx.orders.boundary.hand(Continue(order.generation))
 
+    def pause_at(self, order: protocol.Pause) -> None:
+        """Pause at the start of ``order.step`` (a step this rank redoes after a rollback:
+        no refusal, it has not begun it again yet)."""
+        with self._lock:
+            self._pause_at = order
+
     def at_boundary(self, step: int) -> None:
         """The step loop is at the start of ``step``: make room for a move, or pause here,
         if told to."""

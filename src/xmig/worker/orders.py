@@ -91,6 +91,7 @@ class Orders:
             protocol.Park: self._park,
             protocol.Rebuild: self.plans.hand,
             protocol.WriteCheckpoint: self.plans.hand,
+            protocol.Shrink: self.plans.hand,
             protocol.Abort: self._abort,
             protocol.Pause: on_pause,
             protocol.Dump: self.boundary.hand,

@@ -24,6 +24,10 @@ class Registry:
         self.streams: dict[str, Batches | Shards] = {}
         self.ddp: Any = None  # the DDP that trains the registered model, once the loop starts
         self._snapshots: dict[str, Any] = {}
+        # the optimizer's hyperparameters as the step began: a scheduler stepped in a step
+        # that is rolled back has already written its next learning rate into them (a
+        # chainable one, StepLR, multiplies it), which restoring the scheduler does not undo
+        self._hyperparameters: list[dict[str, Any]] = []
         # a sharded model's state as the step began (references, not copies): inside a step
         # FSDP2 swaps in unsharded parameters, whose memory it frees between uses
         self._model_state: dict[str, Any] | None = None
@@ -108,6 +112,9 @@ class Registry:
         for name, obj in self.objects.items():
             if name not in ("model", "optimizer"):
                 self._snapshots[name] = copy.deepcopy(obj.state_dict())
+        optimizer = self.optimizer()
+        if optimizer is not None and hasattr(optimizer, "param_groups"):
+            self._hyperparameters = [_hyperparameters(group) for group in optimizer.param_groups]
         model = self.objects.get("model")
         if model is not None and self._sharded(model):
             self._model_state = model.state_dict()
@@ -123,5 +130,21 @@ class Registry:
         """Back to the start of ``step``, the one this rank redoes."""
         for name, saved in self._snapshots.items():
             self.objects[name].load_state_dict(saved)
+        optimizer = self.optimizer()
+        if optimizer is not None and len(self._hyperparameters) == len(
+            getattr(optimizer, "param_groups", ())
+        ):
+            for group, saved in zip(optimizer.param_groups, self._hyperparameters, strict=True):
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                        group[key].copy_(value)  # a tensor lr stays the same tensor
+                    else:
+                        group[key] = value
         for stream in self.streams.values():
             stream.rewind(step)
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an optimizer's parameter group without its parameters."""
+    return {key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.copy(value)
+            for key, value in group.items() if key != "params"}  # fmt: skip

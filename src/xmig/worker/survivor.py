@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ class Survivor:
         # the recovery under way on the runner; a later park gives it up (its thread, maybe
         # stuck in a collective or a communicator's meeting, touches nothing once it returns)
         self._current: object | None = None
+        # a shrink pauses this rank where the step it rolls back starts again
+        self.pause_at: Callable[[protocol.Pause], None] | None = None
 
     def on_park(self, park: protocol.Park) -> None:
         """From the order consumer: recoveries run in turn on a thread of their own, which
@@ -182,6 +185,17 @@ class Survivor:
         if isinstance(plan, protocol.WriteCheckpoint):
             self._write_checkpoint(plan)
             return  # parked for good: the job stops once it is sealed
+        if isinstance(plan, protocol.Shrink):
+            self._shrink(plan, kept, late_aborts)
+            with self._lock:
+                if token is not None and self._current is not token:
+                    raise Superseded("this recovery was given up for a later park")
+                ctx.phase.move(was)
+                self._held = None
+                ctx.state_lock.release()
+                if token is not None:
+                    self._current = None
+            return
         if plan.mode == "rollback":
             # every rank serves the rest of its step locally and redoes a step from its
             # start: no group may keep an op in flight that a peer will not issue
@@ -243,6 +257,26 @@ class Survivor:
                                     t=time.time()))  # fmt: skip
         if ctx.finished:  # a finished rank that served a peer: its state is the end's
             self._verifier.at_boundary(ctx.total if ctx.total is not None else plan.step)
+
+    def _shrink(self, plan: protocol.Shrink, kept: list[Group],
+                late_aborts: list[tuple[ProxyProcessGroup, Communicator]]) -> None:  # fmt: skip
+        """The lost ranks are not replaced: finish this step locally without an update, and
+        pause where it starts again, where the world changes size (``worker/resize.py``)."""
+        ctx = self._ctx
+        for group in kept:  # no group may keep an op in flight that a peer will not issue
+            group.proxy.halt()
+            if group.proxy.gates_closed():
+                late_aborts.append((group.proxy, group.proxy.communicator))
+            else:
+                group.proxy.abort_communicator()
+        self.roll_back(plan.step, ctx.groups.all())
+        assert self.pause_at is not None
+        self.pause_at(protocol.Pause(generation=plan.generation, step=plan.step))
+        resume_gating(ctx)
+        for proxy, old in late_aborts:
+            proxy.abort_communicator(communicator=old)
+        logger.info("rank %d: the world shrinks at step %d: the step is rolled back", ctx.rank,
+                    plan.step)  # fmt: skip
 
     def _write_checkpoint(self, order: protocol.WriteCheckpoint) -> None:
         """Write this rank's shard of a just-in-time checkpoint, if it is a writer: its state
