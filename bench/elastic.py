@@ -1,18 +1,24 @@
-"""What changing the world size costs: xmig's resize at a step boundary against a full
-restart of the job at the new size, paired in one run (ABBA).
+"""What changing the world size costs: xmig's resize at a step boundary, and its shrink
+when a lost node has no spare, against a full restart of the job at the new size, paired in
+one run (ABBA).
 
 - ``resize``: a job of ``--world`` ranks with ``--inject resize:world=N:step=S``; the time is
   the resize record's downtime (from the pause boundary to every rank of the new world
   resumed) and its total (from the order to the end, the job training on to the pause step
   included).
+- ``shrink``: the same job with ``--on-no-spare shrink`` and its last node lost
+  (``--inject node:rank=W-1:step=S:at=backward``); the time is the resize record's downtime,
+  from the fault to every rank of the new world resumed (the survivors park, roll the step
+  back, pause at its start and resize).
 - ``restart``: what a job without resizing does instead: a new job of N ranks is launched;
   the time is from the launch to the start of its first step on its slowest rank (process
   start, imports, the process group, the model and DDP). Loading a checkpoint, which a real
   restart also needs, is not counted: the baseline is a lower bound.
 
-The model is an MLP (``--hidden``, ``--layers``) trained on ``session.shards`` (CPU, gloo).
+The model is an MLP (``--hidden``, ``--layers``) trained on ``session.shards`` (CPU, gloo),
+one rank per node (``--nnodes W --nproc-per-node 1``).
 
-    python bench/elastic.py --world 3 --to 2 --rounds 2 --out bench/results/elastic-raw.json
+    python bench/elastic.py --world 3 --to 2 --rounds 2 --out /tmp/elastic.json
 """
 
 from __future__ import annotations
@@ -72,8 +78,9 @@ FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout
 
 def xmig_run(folder: Path, world: int, extra: list[str], script_args: list[str]) -> dict:
     summary = folder / "summary.json"
-    cmd = [sys.executable, "-m", "xmig", "run", "--summary", str(summary), "--nproc-per-node",
-           str(world), *FAST, *extra, str(folder / "job.py"), *script_args]  # fmt: skip
+    cmd = [sys.executable, "-m", "xmig", "run", "--summary", str(summary), "--nnodes",
+           str(world), "--nproc-per-node", "1", *FAST, *extra, str(folder / "job.py"),
+           *script_args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=folder)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
@@ -82,6 +89,17 @@ def xmig_run(folder: Path, world: int, extra: list[str], script_args: list[str])
 
 def resize_once(folder: Path, args: argparse.Namespace) -> dict:
     inject = ["--inject", f"resize:world={args.to}:step={args.step}"]
+    summary = xmig_run(folder, args.world, inject, script_args(args, args.step + 3))
+    (record,) = summary["resizes"]
+    return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
+            "phases": record["phases"]}  # fmt: skip
+
+
+def shrink_once(folder: Path, args: argparse.Namespace) -> dict:
+    if args.to != args.world - 1:
+        raise SystemExit("a shrink loses one node: --to must be --world - 1")
+    inject = ["--on-no-spare", "shrink", "--inject",
+              f"node:rank={args.world - 1}:step={args.step}:at=backward"]  # fmt: skip
     summary = xmig_run(folder, args.world, inject, script_args(args, args.step + 3))
     (record,) = summary["resizes"]
     return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
@@ -113,29 +131,36 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {"resize": [], "restart": []}
+    runs = {"resize": resize_once, "shrink": shrink_once, "restart": restart_once}
+    results: dict[str, list[dict]] = {kind: [] for kind in runs}
     with tempfile.TemporaryDirectory(prefix="xmig-elastic-") as tmp:
         folder = Path(tmp)
         (folder / "job.py").write_text(SCRIPT)
         os.environ.setdefault("XMIG_JOBS_DIR", str(folder / "jobs"))
         for _ in range(args.rounds):
-            for kind in ("resize", "restart", "restart", "resize"):
-                run = resize_once if kind == "resize" else restart_once
-                result = run(folder, args)
+            for kind in ("resize", "shrink", "restart", "restart", "shrink", "resize"):
+                result = runs[kind](folder, args)
                 results[kind].append(result)
                 print(f"{kind}: {result}", flush=True)
     resize = [r["downtime_s"] for r in results["resize"]]
+    shrink = [r["downtime_s"] for r in results["shrink"]]
     restart = [r["downtime_s"] for r in results["restart"]]
-    ratios = sorted(b / a for a, b in zip(resize, restart, strict=True))
+
+    def ratios(ours: list[float]) -> dict[str, float]:
+        paired = sorted(b / a for a, b in zip(ours, restart, strict=True))
+        return {"median": statistics.median(paired), "min": paired[0], "max": paired[-1]}
+
     report = {
         "world": args.world, "to": args.to, "step": args.step,
         "params": args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * 8 + 8,
         "resize_downtime_s": resize, "resize_total_s": [r["total_s"] for r in results["resize"]],
+        "shrink_downtime_s": shrink, "shrink_total_s": [r["total_s"] for r in results["shrink"]],
         "restart_to_first_step_s": restart,
         "median_resize_s": statistics.median(resize),
+        "median_shrink_s": statistics.median(shrink),
         "median_restart_s": statistics.median(restart),
-        "restart_over_resize": {"median": statistics.median(ratios), "min": ratios[0],
-                                "max": ratios[-1]},
+        "restart_over_resize": ratios(resize),
+        "restart_over_shrink": ratios(shrink),
         "raw": results,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1))

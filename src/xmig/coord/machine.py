@@ -563,20 +563,16 @@ class Job:
                     Say(f"fault during recovery: {summary.describe(record)}"),
                     *self._follow(self.recovery.fail("a second fault hit during recovery", now),
                                   now)]  # fmt: skip
-        if self.state is S.RESIZING:
-            assert self.resizing is not None
+        if self.state in (S.RESIZING, S.MIGRATING):
+            moving = self.resizing if self.state is S.RESIZING else self.migration
+            what = "resize" if self.state is S.RESIZING else "migration"
+            assert moving is not None
             self.primary = record
-            return [Note("fault", dataclasses.asdict(record)),
-                    Say(f"fault during a resize: {summary.describe(record)}"),
-                    *self._follow(self.resizing.fail("a fault hit during the resize", now),
-                                  now)]  # fmt: skip
-        if self.state is S.MIGRATING:
-            assert self.migration is not None
-            self.primary = record
-            return [Note("fault", dataclasses.asdict(record)),
-                    Say(f"fault during a migration: {summary.describe(record)}"),
-                    *self._follow(self.migration.fail("a fault hit during the migration", now),
-                                  now)]  # fmt: skip
+            return [
+                Note("fault", dataclasses.asdict(record)),
+                Say(f"fault during a {what}: {summary.describe(record)}"),
+                *self._follow(moving.fail(f"a fault hit during the {what}", now), now),
+            ]
         return [Note("fault", dataclasses.asdict(record))]
 
     def _settle_after(self, record: FaultRecord, now: float) -> None:

@@ -187,14 +187,7 @@ class Survivor:
             return  # parked for good: the job stops once it is sealed
         if isinstance(plan, protocol.Shrink):
             self._shrink(plan, kept, late_aborts)
-            with self._lock:
-                if token is not None and self._current is not token:
-                    raise Superseded("this recovery was given up for a later park")
-                ctx.phase.move(was)
-                self._held = None
-                ctx.state_lock.release()
-                if token is not None:
-                    self._current = None
+            self._unpark(was, token)
             return
         if plan.mode == "rollback":
             # every rank serves the rest of its step locally and redoes a step from its
@@ -239,14 +232,7 @@ class Survivor:
         resume_gating(ctx)
         for proxy, old in late_aborts:
             proxy.abort_communicator(communicator=old)
-        with self._lock:
-            if token is not None and self._current is not token:
-                raise Superseded("this recovery was given up for a later park")
-            ctx.phase.move(was)
-            self._held = None
-            ctx.state_lock.release()
-            if token is not None:
-                self._current = None  # done: a later park is a new recovery's
+        self._unpark(was, token)
         phases = {"park": parked - started, "rebuild": built - parked,
                   "pull": pulled - built, "replay": check.seconds if check else 0.0}  # fmt: skip
         ctx.send(protocol.Recovered(generation=generation, role="survivor", phases=phases,
@@ -257,6 +243,17 @@ class Survivor:
                                     t=time.time()))  # fmt: skip
         if ctx.finished:  # a finished rank that served a peer: its state is the end's
             self._verifier.at_boundary(ctx.total if ctx.total is not None else plan.step)
+
+    def _unpark(self, was: WorkerPhase, token: object | None) -> None:
+        """The recovery is done: the step goes on (the state lock given back)."""
+        with self._lock:
+            if token is not None and self._current is not token:
+                raise Superseded("this recovery was given up for a later park")
+            self._ctx.phase.move(was)
+            self._held = None
+            self._ctx.state_lock.release()
+            if token is not None:
+                self._current = None  # done: a later park is a new recovery's
 
     def _shrink(self, plan: protocol.Shrink, kept: list[Group],
                 late_aborts: list[tuple[ProxyProcessGroup, Communicator]]) -> None:  # fmt: skip
