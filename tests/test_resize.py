@@ -28,15 +28,12 @@ def final_weight(tmp_path):
     return json.loads((tmp_path / "w.json").read_text())
 
 
-def test_a_planned_resize_goes_on_at_the_new_size_with_every_sample_once(
-    tmp_path, tmp_path_factory
-):
-    expected = fault_free_sha256(exact_job(tmp_path_factory.mktemp("ref")), tmp_path_factory)
+def test_a_planned_resize_goes_on_at_the_new_size_with_every_sample_once(tmp_path):
     result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=4"), tmp_path)
     assert result.returncode == 0, result.output
+    # the model's one weight, exactly what the fault-free run at 3 ranks ends with
     assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 2}
     summary = result.summary
-    assert summary["final_params_sha256"] == expected  # the same numbers as at world 3
     assert summary["world_size"] == 2 and summary["launch_world_size"] == 3
     assert summary["world_sizes"] == [[0, 3], [4, 2]]
     assert summary["unfired_faults"] == []
