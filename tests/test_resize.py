@@ -29,7 +29,9 @@ def final_weight(tmp_path):
 
 
 def test_a_planned_resize_goes_on_at_the_new_size_with_every_sample_once(tmp_path):
-    result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=4"), tmp_path)
+    # a step of 50 ms: the pause, sent two steps ahead, has time to reach every rank
+    result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=4", sleep=0.05),
+                 tmp_path)  # fmt: skip
     assert result.returncode == 0, result.output
     # the model's one weight, exactly what the fault-free run at 3 ranks ends with
     assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 2}

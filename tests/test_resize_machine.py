@@ -131,13 +131,20 @@ def test_sizes_that_cannot_be_had_are_refused(world, why):
     assert job.state is S.RUNNING and job.generation == 0
 
 
-def test_an_injected_resize_starts_when_a_rank_nears_its_step():
+def test_an_injected_resize_starts_two_steps_ahead_at_its_own_step():
     spec = parse_fault("resize:world=1:step=6").to_json()
     job = running_job(nnodes=3, faults=(spec,))
-    assert not sent(job.on(Progress(rank=0, step=4), T0), Pause)
-    orders = job.on(Progress(rank=1, step=5), T0)
+    assert not sent(job.on(Progress(rank=0, step=3), T0), Pause)
+    orders = job.on(Progress(rank=1, step=4), T0)
     assert sent(orders, Pause) == [("all", Pause(generation=1, step=6))]
     assert job.resizing.why == "resize:world=1:step=6"
+
+
+def test_an_injected_resize_some_rank_has_passed_goes_to_the_next_step_none_began():
+    spec = parse_fault("resize:world=1:step=6").to_json()
+    job = running_job(nnodes=3, faults=(spec,))
+    job.on(Progress(rank=0, step=7), T0)  # reports came late: rank 0 is past step 6
+    assert job.resizing.plan.step == 8
 
 
 def test_a_snapshot_keeps_the_world_size_and_the_resizes():

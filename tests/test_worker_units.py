@@ -99,6 +99,12 @@ def test_each_order_reaches_its_handler():
     orders.dispatch(resume)
     assert orders.boundary.next(3, timeout=1.0) == dump
     assert orders.boundary.next(3, timeout=1.0) == resume
+    resize = protocol.Resize(generation=4, step=7, world_size=2, ranks=[0, 1, -1])
+    orders.dispatch(resize)
+    assert orders.boundary.next(4, timeout=1.0) == resize
+    shrink = protocol.Shrink(generation=5, step=7)
+    orders.dispatch(shrink)
+    assert orders.plans.next(5, timeout=1.0) == shrink
     announced = protocol.StateAnnounced(generation=2, rank=1, source=0, digest="ab")
     orders.dispatch(announced)
     assert orders.digests.next(2, timeout=1.0) == announced
@@ -108,7 +114,8 @@ def test_each_order_reaches_its_handler():
     assert set(orders.table) == {protocol.Park, protocol.Rebuild, protocol.Abort, protocol.Pause,
                                  protocol.Dump, protocol.Resume, protocol.Release,
                                  protocol.StateAnnounced, protocol.WriteCheckpoint,
-                                 protocol.SaveState}  # fmt: skip
+                                 protocol.SaveState, protocol.Resize,
+                                 protocol.Shrink}  # fmt: skip
 
 
 def test_a_park_that_replaces_this_rank_is_not_its_own():

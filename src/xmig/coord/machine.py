@@ -478,11 +478,13 @@ class Job:
                     orders += started
                 except Refused as exc:
                     orders.append(Say(f"injected migration of rank {msg.rank} not done: {exc}"))
-        while self.scheduled_resizes and msg.step >= int(self.scheduled_resizes[0]["step"]) - 1:
+        # two steps ahead, so that the pause reaches every rank before it begins that step
+        while self.scheduled_resizes and msg.step >= int(self.scheduled_resizes[0]["step"]) - 2:
             fault = self.scheduled_resizes.pop(0)
             spec = str(FaultSpec.from_json(fault))
             try:
-                orders += self._start_resize(int(fault["world"]), spec, now)[1]
+                orders += self._start_resize(int(fault["world"]), spec, now,
+                                             at_step=int(fault["step"]))[1]  # fmt: skip
             except Refused as exc:
                 orders.append(Say(f"injected {spec} not done: {exc}"))
         return orders
@@ -963,9 +965,11 @@ class Job:
         text, orders = self._start_resize(msg.world_size, "request", now)
         return [*orders, Reply({"resize": text})]
 
-    def _start_resize(self, world_size: int, why: str, now: float) -> tuple[str, list[Order]]:
-        """Start changing the world to ``world_size`` ranks at a boundary no rank has
-        passed; raises ``Refused`` with why it cannot."""
+    def _start_resize(self, world_size: int, why: str, now: float,
+                      at_step: int = 0) -> tuple[str, list[Order]]:  # fmt: skip
+        """Start changing the world to ``world_size`` ranks at the start of ``at_step``, or
+        of the first step no rank has begun if that is later; raises ``Refused`` with why
+        it cannot."""
         if self.state is not S.RUNNING:
             what = "handling a fault" if self.state is S.SETTLING else self.state.value
             raise Refused(f"the job is {what}, not running")
@@ -974,7 +978,7 @@ class Job:
         if world_size > self.world_size:
             raise Refused(f"growing the world (from {self.world_size} to {world_size}) is not "
                           "supported yet: a resize can only shrink it")  # fmt: skip
-        step = max(self.progress.values()) + 1
+        step = max(at_step, max(self.progress.values()) + 1)
         nodes = {r: m.node for r, m in self.members.items()}
         plan = plan_planned(nodes, world_size, step, min_world_size=1,
                             idle=decide.idle_nodes(self),
