@@ -9,7 +9,8 @@ one run (ABBA).
 - ``shrink``: the same job with ``--on-no-spare shrink`` and its last node lost
   (``--inject node:rank=W-1:step=S:at=backward``); the time is the resize record's downtime,
   from the fault to every rank of the new world resumed (the survivors park, roll the step
-  back, pause at its start and resize).
+  back, pause at its start and resize). Each shrink's final parameters are compared with the
+  planned resize's at the same step: they must be the same, bit for bit.
 - ``restart``: what a job without resizing does instead: a new job of N ranks is launched;
   the time is from the launch to the start of its first step on its slowest rank (process
   start, imports, the process group, the model and DDP). Loading a checkpoint, which a real
@@ -55,6 +56,7 @@ SCRIPT = textwrap.dedent("""
             return torch.randn(args.hidden), int(i % 8)
 
     session = xmig.init(seed=0)
+    torch.manual_seed(0)  # the same model every run: a shrink's result is checked below
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
@@ -92,7 +94,7 @@ def resize_once(folder: Path, args: argparse.Namespace) -> dict:
     summary = xmig_run(folder, args.world, inject, script_args(args, args.step + 3))
     (record,) = summary["resizes"]
     return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
-            "phases": record["phases"]}  # fmt: skip
+            "phases": record["phases"], "sha256": summary["final_params_sha256"]}  # fmt: skip
 
 
 def shrink_once(folder: Path, args: argparse.Namespace) -> dict:
@@ -103,7 +105,8 @@ def shrink_once(folder: Path, args: argparse.Namespace) -> dict:
     summary = xmig_run(folder, args.world, inject, script_args(args, args.step + 3))
     (record,) = summary["resizes"]
     return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
-            "phases": record["phases"]}  # fmt: skip
+            "phases": record["phases"], "step": record["step"], "pulled": record["pulled"],
+            "sha256": summary["final_params_sha256"]}  # fmt: skip
 
 
 def restart_once(folder: Path, args: argparse.Namespace) -> dict:
@@ -150,12 +153,17 @@ def main() -> None:
         paired = sorted(b / a for a, b in zip(ours, restart, strict=True))
         return {"median": statistics.median(paired), "min": paired[0], "max": paired[-1]}
 
+    # a shrink at the planned resize's step must end with its parameters, bit for bit
+    planned = {r["sha256"] for r in results["resize"]}
+    identical = [r["sha256"] in planned for r in results["shrink"] if r["step"] == args.step]
     report = {
         "world": args.world, "to": args.to, "step": args.step,
         "params": args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * 8 + 8,
         "resize_downtime_s": resize, "resize_total_s": [r["total_s"] for r in results["resize"]],
         "shrink_downtime_s": shrink, "shrink_total_s": [r["total_s"] for r in results["shrink"]],
         "restart_to_first_step_s": restart,
+        "planned_resize_deterministic": len(planned) == 1,
+        "shrinks_bit_identical_to_planned": f"{sum(identical)}/{len(identical)}",
         "median_resize_s": statistics.median(resize),
         "median_shrink_s": statistics.median(shrink),
         "median_restart_s": statistics.median(restart),

@@ -90,26 +90,30 @@ def test_a_world_whose_data_cannot_be_redistributed_is_not_resized(tmp_path, tmp
 NODES = ["--nnodes", "3", "--nproc-per-node", "1", "--simulate-hosts", *FAST]
 
 
-def shards_job(*extra):
-    return [*NODES, *extra, str(PATTERNS), "--pattern", "shards", "--slow-backward"]
+def shards_job(*extra, script=()):
+    return [*NODES, *extra, str(PATTERNS), "--pattern", "shards", "--slow-backward", *script]
 
 
 def test_a_lost_node_without_a_spare_shrinks_the_world_as_the_planned_resize_would(
     tmp_path, tmp_path_factory
 ):
-    """3 simulated hosts, no spare: rank 1's node is lost mid-backward in step 5; the
-    survivors roll the step back and go on at 2 ranks from it, bit-identical to the
-    fault-free run resized to 2 at step 5 (uneven shares of 10 at 3 ranks, SGD with
-    momentum, a StepLR that changes the learning rate at the end of step 5, dropout)."""
-    expected = fault_free_sha256(shards_job("--inject", "resize:world=2:step=5"),
-                                 tmp_path_factory)  # fmt: skip
+    """3 simulated hosts, no spare: rank 1's node is lost mid-backward in step 5, while rank
+    2 is still in step 4 (before its update, its collectives done). Rank 0 rolls step 5 back,
+    rank 2 finishes step 4 without an update and pulls step 5's state from rank 0, and both
+    go on at 2 ranks from step 5: bit-identical to the fault-free run resized to 2 at step 5
+    (uneven shares of 10 at 3 ranks, SGD with momentum, a StepLR that changes the learning
+    rate at the end of step 5, dropout)."""
     result = run(shards_job("--on-no-spare", "shrink", "--inject",
-                            "node:rank=1:step=5:at=backward"), tmp_path)  # fmt: skip
+                            "node:rank=1:step=5:at=backward",
+                            script=("--slow-update", "2:4")), tmp_path)  # fmt: skip
     assert result.returncode == 0, result.output
     summary = result.summary
-    assert summary["final_params_sha256"] == expected, "not the planned resize's run"
     (record,) = summary["resizes"]
     assert record["cause"] == "node lost" and record["lost"] == [1] and record["step"] == 5
+    assert record["pulled"] == {"2": 0}, record
+    expected = fault_free_sha256(shards_job("--inject", "resize:world=2:step=5"),
+                                 tmp_path_factory)  # fmt: skip
+    assert summary["final_params_sha256"] == expected, "not the planned resize's run"
     assert record["what"] == "shrunk from 3 to 2 at step 5 (node lost)"
     assert summary["world_sizes"] == [[0, 3], [5, 2]] and summary["lost_nodes"] == [1]
     # the survivors kept their processes: old rank 2 is rank 1 now

@@ -25,6 +25,8 @@ from xmig.protocol import (
     Resumed,
     ScaleRequest,
     Shrink,
+    StateAnnounced,
+    StateSent,
     WorkerDone,
 )
 
@@ -175,12 +177,15 @@ def shrinking_job(**fields):
     return job, orders
 
 
-def parked_at(job, step=3, stepped=(), t=T0 + 1.1):
+def parked_at(job, step=3, stepped=(), pending=0, t=T0 + 1.1):
+    """Ranks 0 and 2 park in ``step``; those in ``stepped`` took its update (and wait in
+    ``pending`` collectives issued after it)."""
     orders = []
     for rank in (0, 2):
+        after = rank in stepped
         orders += job.on(Parked(generation=1, rank=rank, position=Position(
-            step=step, state_step=step + 1 if rank in stepped else step, log_from=step - 1,
-            keep_log=True, signatures={})), t)  # fmt: skip
+            step=step, state_step=step + 1 if after else step, log_from=step - 1,
+            keep_log=True, signatures={}, pending=pending if after else 0)), t)  # fmt: skip
     return orders
 
 
@@ -206,11 +211,28 @@ def test_the_survivors_parked_in_one_step_roll_it_back_and_pause_there():
     assert job.state is S.RUNNING and job.members[1].node == 2
 
 
-def test_a_survivor_past_its_update_cannot_be_rolled_back_and_the_state_is_saved():
+def test_a_survivor_still_in_the_step_before_pulls_the_next_ones_state_and_all_pause_there():
     job, _ = shrinking_job()
-    orders = parked_at(job, stepped=(2,))
+    orders = parked_at(job, stepped=(2,))  # rank 2 took step 3's update; rank 0 had not
+    assert sent(orders, Shrink) == [("all", Shrink(generation=1, step=4, sources={"0": 2}))]
+    assert job.resizing.step == 4
+    orders = job.on(StateSent(generation=1, target=0, digest="ab", rank=2), T0 + 1.2)
+    assert sent(orders, StateAnnounced) == [
+        ("all", StateAnnounced(generation=1, rank=0, source=2, digest="ab"))
+    ]
+    # a digest from a rank that serves nothing is not passed on
+    assert not sent(job.on(StateSent(generation=1, target=2, digest="cd", rank=0), T0 + 1.2),
+                    StateAnnounced)  # fmt: skip
+    orders = paused(job, step=4, ranks=(0, 2))
+    assert sent(orders, Resize) == [("all", Resize(generation=1, step=4, world_size=2,
+                                                   ranks=[0, -1, 1]))]  # fmt: skip
+
+
+def test_a_survivor_waiting_in_a_collective_after_its_update_stops_the_shrink_with_a_save():
+    job, _ = shrinking_job()
+    orders = parked_at(job, stepped=(2,), pending=1)
     assert job.state is S.CHECKPOINTING and not sent(orders, Shrink)
-    assert any("taken the update" in line for line in said(orders))
+    assert any("waits in a collective" in line for line in said(orders))
 
 
 def test_a_shrink_below_the_minimum_saves_the_state():

@@ -345,6 +345,27 @@ def test_an_update_already_waiting_when_a_rollback_comes_fails():
     assert not ctx.state_lock.locked()
 
 
+def test_a_survivor_parked_after_its_update_does_not_cross_the_boundary_before_the_plan():
+    """A rank parked between its update and the next boundary runs on (nothing it does
+    needs its peers): it must wait at the boundary for the plan, which may roll it back
+    there. Without that wait it ran the next step on its own, update and all."""
+    from xmig.worker.survivor import Survivor
+
+    gate, ctx = _gate()
+    ctx.registry = SimpleNamespace(optimizer=lambda: None)
+    survivor = Survivor(ctx, layout=None, verifier=None, gate=gate)
+    ctx.state_lock.acquire()  # the survivor's park holds it until the plan is carried out
+    answer = []
+    boundary = threading.Thread(target=lambda: answer.append(survivor.redo_at_boundary(2)))
+    boundary.start()
+    time.sleep(0.1)
+    assert answer == []  # waits for the plan
+    survivor._redo_from = 3  # the plan: pause (and redo) at the start of step 3
+    ctx.state_lock.release()
+    boundary.join(timeout=5)
+    assert answer == [3]
+
+
 # ---- a migration's pause orders ----------------------------------------------------------------
 
 

@@ -807,10 +807,17 @@ class Dump(Message):
 class Shrink(Message):
     """A lost node's ranks have nowhere to run: every parked survivor finishes the step it
     is parked in without the network or an optimizer update, and pauses at the start of
-    ``step`` (that step, redone), where the world changes size (``Resize``)."""
+    ``step``, where the world changes size (``Resize``). ``sources``: a survivor still in
+    the step before (its peers had ended that step's collectives) to the survivor that
+    serves it the state of ``step``'s start."""
 
     generation: int
     step: int
+    sources: dict[str, int] = field(default_factory=dict)
+
+    def served_by(self, rank: int) -> list[int]:
+        """The ranks ``rank`` serves the state to, in order."""
+        return sorted(int(r) for r, source in self.sources.items() if source == rank)
 
 
 @message("resize", C, A, relay=Relay.ALL)

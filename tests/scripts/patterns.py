@@ -61,6 +61,9 @@ def main():
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--slow-backward", action="store_true")
+    # RANK:STEP: that rank sleeps a second before that step's update (its collectives done),
+    # so that its peers are a step ahead of it when a fault comes
+    parser.add_argument("--slow-update", default=None)
     args = parser.parse_args()
 
     session = xmig.init(seed=11)
@@ -118,6 +121,8 @@ def main():
             loss = loss * data.weight  # uneven shares: the global batch's mean
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if args.slow_update and args.slow_update == f"{session.rank}:{_step}":
+            time.sleep(1.0)
         optimizer.step()
         scheduler.step()
         if prefetch:

@@ -97,7 +97,7 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
         candidates = [r for r, s in state_steps.items() if s == low]
         pulls = sorted(replaced)
         try:
-            servers = _sources(positions, pulls, candidates, low)
+            servers = pull_sources(positions, pulls, candidates, low)
         except RecoveryImpossible:
             # its replicas took the step's update already (the other groups' ranks had not):
             # everyone goes on from theirs
@@ -118,7 +118,7 @@ def plan_rebuild(positions: dict[int, Position], replaced: list[int], generation
     at_high = [r for r, s in state_steps.items() if s == high]
     laggards = [r for r, s in state_steps.items() if s < high]
     pulls = sorted([*replaced, *laggards])
-    servers = _sources(positions, pulls, at_high, None)
+    servers = pull_sources(positions, pulls, at_high, None)
     return Rebuild(generation=generation, mode="rollback", step=high,
                    source=servers[pulls[0]] if pulls else min(at_high), pulls=pulls,
                    why=reasons[0], verify_ready_order=verify_ready_order,
@@ -160,7 +160,7 @@ def _sources_for(positions: dict[int, Position], rank: int, candidates: list[int
             and (positions[c].replicas is None or rank in positions[c].replicas)]  # fmt: skip
 
 
-def _sources(positions: dict[int, Position], pulls: list[int], candidates: list[int],
+def pull_sources(positions: dict[int, Position], pulls: list[int], candidates: list[int],
              step: int | None) -> dict[int, int]:  # fmt: skip
     """For each rank that pulls, the candidate that serves it: one that holds a replica of
     its state, the busiest one in ``step`` first (else the lowest rank)."""

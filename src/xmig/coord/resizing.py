@@ -7,10 +7,12 @@ resumes at the old size and the job goes on. Otherwise each agent renumbers its 
 ranks that leave end, and the ranks that stay build the new world's communicator and DDP
 at the new size, move their data streams to their new share, and resume (``Resumed``).
 
-A shrink first parks the survivors where the fault found them (as a recovery does); if every
-one of them is in the same step and none has taken its update, each finishes that step
-locally without an update (``Shrink``) and pauses where it starts again, and the resize goes
-on from the pause as a planned one does: so it ends as the planned resize at that step.
+A shrink first parks the survivors where the fault found them (as a recovery does); each
+finishes its step locally without an update (``Shrink``) and pauses at the start of the
+latest step any of them holds the state of: that step redone, or, for a survivor still in
+the step before (whose collectives had ended), the next, with the state pulled from a peer
+as a rollback's does. The resize goes on from the pause as a planned one does: so it ends
+as the planned resize at that step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xmig.coord.orders import GiveUp, Note, Order, Renumber, Say, Settled, ToAll
+from xmig.coord.recovery import RecoveryImpossible, pull_sources
 from xmig.coord.resize import ResizePlan
 from xmig.protocol import (
     Park,
@@ -32,6 +35,8 @@ from xmig.protocol import (
     Resume,
     Resumed,
     Shrink,
+    StateAnnounced,
+    StateSent,
     WorkerDone,
 )
 
@@ -78,6 +83,7 @@ class Resizing:
     lost: list[int] = field(default_factory=list)  # a shrink: the old ranks lost
     t_fault: float | None = None  # a shrink: when the fault happened
     positions: dict[int, Position] = field(default_factory=dict)  # a shrink: where each parked
+    sources: dict[str, int] = field(default_factory=dict)  # a shrink: who pulls from whom
     paused: dict[int, int] = field(default_factory=dict)
     refusals: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot resize
     resumed: set[int] = field(default_factory=set)
@@ -142,6 +148,8 @@ class Resizing:
             if len(self.positions) < len(self.survivors):
                 return []
             return self._parked(now)
+        if isinstance(event, StateSent) and phase is ResizePhase.PAUSING:
+            return self._relay_digest(event)
         if isinstance(event, PauseRefused) and phase is ResizePhase.PAUSING:
             self._with_step(max(self.step, event.step + 1))
             self.paused.clear()
@@ -186,19 +194,49 @@ class Resizing:
         return []
 
     def _parked(self, now: float) -> list[Order]:
-        """Every survivor of a shrink is parked: roll the step back and pause at its start,
-        if they are all in the same step and none took its update."""
-        steps = sorted({p.step for p in self.positions.values()})
-        stepped = sorted(r for r, p in self.positions.items() if p.state_step != p.step)
-        if len(steps) > 1:
-            return self.fail(f"the survivors are parked in different steps ({steps}): the "
-                             "step cannot be rolled back on all of them", now)  # fmt: skip
-        if stepped:
-            return self.fail(f"rank {stepped[0]} had taken the update of step {steps[0]} when "
-                             "the node was lost: the step cannot be rolled back", now)  # fmt: skip
-        self._with_step(steps[0])
-        return [*self._enter(ResizePhase.PAUSING, now, step=self.step),
-                ToAll(Shrink(generation=self.generation, step=self.step))]  # fmt: skip
+        """Every survivor of a shrink is parked: each finishes its step without an update
+        and pauses at the start of the latest step any survivor's state is of; one still
+        in the step before (its collectives ended, its update not yet taken) pulls that
+        step's state from a peer first. Not when a survivor past its update waits in a
+        collective: only the lost peers could end it."""
+        states = {r: int(p.state_step) for r, p in self.positions.items()
+                  if p.state_step is not None}  # fmt: skip
+        early = sorted(set(self.positions) - set(states))
+        if early:
+            return self.fail(f"rank {early[0]} has not reached session.steps(): there is no "
+                             "step boundary to resize at", now)  # fmt: skip
+        waiting = sorted(r for r, p in self.positions.items()
+                         if p.pending and p.step is not None and p.step < states[r])  # fmt: skip
+        if waiting:
+            rank = waiting[0]
+            return self.fail(f"rank {rank} had taken the update of step "
+                             f"{self.positions[rank].step} and waits in a collective issued "
+                             "after it, which only the lost ranks could end", now)  # fmt: skip
+        high = max(states.values())
+        behind = sorted(r for r, s in states.items() if s < high)
+        try:
+            sources = pull_sources(self.positions, behind,
+                                   [r for r, s in states.items() if s == high], None)  # fmt: skip
+        except RecoveryImpossible as exc:
+            return self.fail(str(exc), now)
+        self.sources = {str(r): s for r, s in sources.items()}
+        self._with_step(high)
+        # where each survivor was (step, the step its state is of, collectives pending)
+        where = {str(r): [p.step, p.state_step, p.pending, p.optimizer_waiting]
+                 for r, p in sorted(self.positions.items())}  # fmt: skip
+        return [*self._enter(ResizePhase.PAUSING, now, step=self.step, pulls=behind,
+                             positions=where),
+                ToAll(Shrink(generation=self.generation, step=self.step,
+                             sources=self.sources))]  # fmt: skip
+
+    def _relay_digest(self, event: StateSent) -> list[Order]:
+        """A shrink's serving survivor's digest of the state it sent, to the one that
+        received it."""
+        if self.sources.get(str(event.target)) != event.rank:
+            return [Note("ignored", {"why": f"a state digest from rank {event.rank}, which "
+                                            "serves no state"})]  # fmt: skip
+        return [ToAll(StateAnnounced(generation=self.generation, rank=event.target,
+                                     source=event.rank, digest=event.digest))]  # fmt: skip
 
     def record(self) -> dict[str, Any]:
         t = self.times
@@ -222,6 +260,7 @@ class Resizing:
             "ranks": {str(old): new for old, new in sorted(self.plan.ranks.items())},
             "left": self.plan.dropped,
             "lost": self.lost,
+            "pulled": {r: s for r, s in sorted(self.sources.items())},  # a shrink's laggards
             # why a rank's world could not change size (the job went on at the old size)
             "refused": min(self.refusals.items())[1] if self.refusals else None,
             "what": self.plan.describe(),

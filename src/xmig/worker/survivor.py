@@ -258,7 +258,8 @@ class Survivor:
     def _shrink(self, plan: protocol.Shrink, kept: list[Group],
                 late_aborts: list[tuple[ProxyProcessGroup, Communicator]]) -> None:  # fmt: skip
         """The lost ranks are not replaced: finish this step locally without an update, and
-        pause where it starts again, where the world changes size (``worker/resize.py``)."""
+        pause at the start of ``plan.step`` (this one again, or the next with a peer's state),
+        where the world changes size (``worker/resize.py``)."""
         ctx = self._ctx
         for group in kept:  # no group may keep an op in flight that a peer will not issue
             group.proxy.halt()
@@ -266,6 +267,16 @@ class Survivor:
                 late_aborts.append((group.proxy, group.proxy.communicator))
             else:
                 group.proxy.abort_communicator()
+        # a survivor still in the step before takes the state of this one's start from a
+        # peer (before the rollback, which would otherwise keep its own)
+        targets = plan.served_by(ctx.rank)
+        if targets:
+            pull.serve(ctx, plan.generation, targets,
+                       lambda _target: self._rollback_payload(plan.step))  # fmt: skip
+        elif str(ctx.rank) in plan.sources:
+            incoming, stats = pull.receive(ctx, plan.generation)
+            pull.check_digest(ctx, plan.generation, stats.digest)
+            self._stash = ReplacementPayload.from_wire(incoming).state
         self.roll_back(plan.step, ctx.groups.all())
         assert self.pause_at is not None
         self.pause_at(protocol.Pause(generation=plan.generation, step=plan.step))
@@ -436,6 +447,13 @@ class Survivor:
             return pull.pull_report("receiver", stats)
         return None
 
+    def _rollback_payload(self, step: int) -> ReplacementPayload:
+        """The state of ``step``'s start, for a peer that goes on from there."""
+        ctx = self._ctx
+        return ReplacementPayload(step=step, mode="rollback", first_step=ctx.first_step,
+                                  state=ctx.recovery_state(),
+                                  ddp=self._layout.outgoing(step, False))  # fmt: skip
+
     def _outgoing(self, plan: protocol.Rebuild, target: int) -> ReplacementPayload:
         """What ``target`` resumes from: the state, and for each group it shares with this
         rank the step's ops as logged here and what the done ones got before the fault (its
@@ -484,10 +502,12 @@ class Survivor:
     def redo_at_boundary(self, step: int) -> int | None:
         """At the boundary after ``step``: the step to redo after a rollback (the state
         restored as of its start), or None to go on."""
-        if self._redo_from is None:
-            return None
         ctx = self._ctx
+        # under the lock: a survivor parked after its update, on its way to this boundary,
+        # must not cross it before the plan says whether it redoes a step (and pauses)
         with ctx.state_lock:
+            if self._redo_from is None:
+                return None
             redo, self._redo_from = self._redo_from, None
             self._gate.allow_update()
             if self._stash is not None:  # the state of a later step, pulled from a peer
