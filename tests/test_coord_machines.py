@@ -272,7 +272,8 @@ def test_running_to_settling_then_recovering_once_no_other_death_came():
     assert job.state is S.RECOVERING and job.generation == 1
     assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
     assert sent(orders, Respawn) == [(1, Respawn(rank=1, generation=1, local_rank=0, attempt=1,
-                                                 fired=[]))]  # fmt: skip
+                                                 fired=[], world_size=2,
+                                                 launched_as=1))]  # fmt: skip
     assert any("fault: rank 1" in line for line in said(orders))
 
 
@@ -317,8 +318,10 @@ def test_a_death_while_the_survivors_park_widens_the_recovery():
     assert job.recovery.replaced == [1, 2] and job.recovery.survivors == [0]
     assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1, 2]))]
     assert sent(orders, Respawn) == [
-        (1, Respawn(rank=1, generation=2, local_rank=0, attempt=2, fired=[])),
-        (2, Respawn(rank=2, generation=2, local_rank=0, attempt=1, fired=[])),
+        (1, Respawn(rank=1, generation=2, local_rank=0, attempt=2, fired=[], world_size=3,
+                    launched_as=1)),
+        (2, Respawn(rank=2, generation=2, local_rank=0, attempt=1, fired=[], world_size=3,
+                    launched_as=2)),
     ]  # fmt: skip
     assert 301 in job.retiring
     assert [(f.rank, f.secondary) for f in job.faults] == [(1, False), (2, False)]

@@ -85,6 +85,20 @@ def test_the_worker_environment_is_built_from_the_spec():
     assert WorkerEnv.from_environ(environ) == env
 
 
+def test_a_worker_after_a_resize_has_the_world_of_now_and_its_launch_rank_faults():
+    faults = [
+        {"kind": "kill", "rank": 2, "step": 6, "at": "backward", "code": 1, "to": None},
+        {"kind": "kill", "rank": 1, "step": 9, "at": "backward", "code": 1, "to": None},
+    ]
+    spec = _spec(nnodes=3, nproc_per_node=1, faults=faults)
+    # rank 1 of a world shrunk to 2, launched as rank 2: rank 2's faults, not rank 1's
+    env = WorkerEnv.for_rank(spec, 1, 0, node_rank=2, attempt=1, world_size=2, launched_as=2)
+    assert env.world_size == 2 and [f.step for f in env.faults] == [6]
+    # a rank a grow added carries none
+    added = WorkerEnv.for_rank(spec, 2, 0, node_rank=3, attempt=1, world_size=3, launched_as=-1)
+    assert added.world_size == 3 and added.faults == [] and added.replacement
+
+
 MIGRATE_TO_3 = {"kind": "migrate", "rank": 1, "step": 2, "at": "boundary", "to": 3}
 
 

@@ -50,6 +50,28 @@ def test_a_planned_resize_goes_on_at_the_new_size_with_every_sample_once(tmp_pat
     assert "shrunk from 3 to 2 at step 4" in result.output
 
 
+def test_a_planned_grow_starts_a_rank_that_pulls_the_state_and_goes_on_exactly(tmp_path):
+    """3 ranks on one node, down to 2 at step 3 and back to 3 at step 6: the new rank 2
+    starts in the free slot, pulls the state of step 6's start from rank 0, and every
+    sample is still taken once, weighed by the world of its step."""
+    result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=3", "--inject",
+                           "resize:world=3:step=6", sleep=0.05), tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 3}
+    summary = result.summary
+    assert summary["world_sizes"] == [[0, 3], [3, 2], [6, 3]]
+    shrink, grow = summary["resizes"]
+    assert grow["what"] == "grown from 2 to 3 at step 6 (planned)"
+    assert grow["added"] == {"2": 0} and grow["pulled"] == {"2": 0}
+    assert grow["replicas_equal"] is True  # its parameters equal its peers' after a step
+    # ranks 0 and 1 kept their processes throughout; rank 2 is a new one
+    pids = summary["worker_pids"]
+    assert len(pids["0"]) == len(pids["1"]) == len(pids["2"]) == 1
+    (left,) = summary["left_ranks"]
+    assert left["pid"] not in pids["2"]
+    assert "grown from 2 to 3 at step 6" in result.output
+
+
 def test_scale_by_request_shrinks_a_running_job(tmp_path):
     env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
     proc = start_run(exact_job(tmp_path, steps=12, sleep=0.3), tmp_path, env=env)
@@ -130,3 +152,39 @@ def test_a_shrink_below_the_minimum_stops_with_a_checkpoint(tmp_path):
     saved = result.summary["jit_checkpoint"]
     assert saved["path"] and saved["step"] == 4
     assert result.summary["resizes"] == [] and result.summary["world_size"] == 3
+
+
+def test_a_node_added_after_a_shrink_grows_the_world_as_planned_resizes_would(
+    tmp_path, tmp_path_factory
+):
+    """3 simulated hosts, no spare: node 1 is lost in step 4 and the world shrinks to 2; the
+    process launched as rank 2 (rank 1 since) is killed in step 6 and replaced at world 2;
+    a node is added as the job reaches step 8 (``add-node``, as ``xmig scale --add-node``
+    does) and the world grows back to 3 onto it, its new rank pulling the state. The run
+    ends bit-identical to the fault-free run with planned resizes to 2 at step 4 and back
+    to 3 at the grow's step."""
+    result = run(shards_job("--on-no-spare", "shrink",
+                            "--inject", "node:rank=1:step=4:at=backward",
+                            "--inject", "kill:rank=2:step=6", "--inject", "add-node:step=8",
+                            script=("--steps", "12", "--step-sleep", "0.3")),
+                 tmp_path, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    shrink, grow = summary["resizes"]
+    assert shrink["what"] == "shrunk from 3 to 2 at step 4 (node lost)"
+    step = grow["step"]
+    assert grow["cause"] == "node added" and step >= 8
+    assert grow["added"] == {"2": 3} and summary["added_nodes"] == [3]
+    assert grow["replicas_equal"] is True
+    assert summary["world_sizes"] == [[0, 3], [4, 2], [step, 3]]
+    (recovery,) = summary["recoveries"]
+    assert recovery["ranks"] == [1] and recovery["verified"] is not False
+    # rank 0 kept its process throughout; rank 1 (launched as 2) was replaced once
+    pids = summary["worker_pids"]
+    assert (len(pids["0"]), len(pids["1"]), len(pids["2"])) == (1, 2, 1)
+    assert summary["worker_nodes"] == {"0": 0, "1": 2, "2": 3}
+    assert summary["unfired_faults"] == []
+    expected = fault_free_sha256(shards_job("--inject", "resize:world=2:step=4", "--inject",
+                                            f"resize:world=3:step={step}",
+                                            script=("--steps", "12")), tmp_path_factory)  # fmt: skip
+    assert summary["final_params_sha256"] == expected, "not the planned resizes' run"

@@ -5,12 +5,13 @@ import pytest
 
 from test_coord_machines import T0, running_job, said, sent
 from xmig.coord.machine import JobState
-from xmig.coord.orders import Refused, Reply, Tick
+from xmig.coord.orders import AgentLost, Refused, Reply, Tick, ToLaunchers
 from xmig.coord.resizing import RESIZE_TRANSITIONS, ResizePhase
 from xmig.coord.snapshot import restore, snapshot
 from xmig.faults import parse_fault
 from xmig.protocol import (
     Abort,
+    AgentHello,
     Fault,
     FaultRecord,
     Park,
@@ -21,13 +22,16 @@ from xmig.protocol import (
     Position,
     Progress,
     Resize,
+    Respawn,
     Resume,
     Resumed,
     ScaleRequest,
     Shrink,
+    StartNode,
     StateAnnounced,
     StateSent,
     WorkerDone,
+    WorkerStarted,
 )
 
 S = JobState
@@ -40,10 +44,11 @@ def resizing_job(world=2, **fields):
     return job, orders
 
 
-def paused(job, step=4, t=T0 + 0.1, why=None, ranks=(0, 1, 2)):
+def paused(job, step=4, t=T0 + 0.1, why=None, ranks=(0, 1, 2), generation=1):
     orders = []
     for rank in ranks:
-        orders += job.on(Paused(generation=1, step=step, rank=rank, stop_s=0.01 * (rank + 1),
+        orders += job.on(Paused(generation=generation, step=step, rank=rank,
+                                stop_s=0.01 * (rank + 1),
                                 cannot_resize=why if rank == 1 else None), t)  # fmt: skip
     return orders
 
@@ -124,7 +129,7 @@ def test_a_resize_past_its_deadline_fails():
 
 
 @pytest.mark.parametrize("world, why", [
-    (3, "already 3"), (4, "not supported yet"), (0, "not possible"),
+    (3, "already 3"), (4, "room for 0"), (0, "not possible"),
 ])  # fmt: skip
 def test_sizes_that_cannot_be_had_are_refused(world, why):
     job = running_job(nnodes=3)
@@ -169,8 +174,6 @@ def test_every_phase_can_end():
 
 def shrinking_job(**fields):
     """3 ranks on 3 nodes at step 3, ``--on-no-spare shrink``; node 1 is lost."""
-    from xmig.coord.orders import AgentLost
-
     job = running_job(nnodes=3, on_no_spare="shrink", checkpoint_dir="/ckpt", **fields)
     orders = job.on(AgentLost(1), T0)
     orders += job.on(Tick(), T0 + 1.0)  # the fault settles
@@ -242,9 +245,151 @@ def test_a_shrink_below_the_minimum_saves_the_state():
 
 
 def test_without_shrink_a_lost_node_stops_the_job_as_before():
-    from xmig.coord.orders import AgentLost
-
     job = running_job(nnodes=3, checkpoint_dir="/ckpt")
     orders = job.on(AgentLost(1), T0) + job.on(Tick(), T0 + 1.0)
     assert job.state is S.CHECKPOINTING
     assert any("no spare node" in line for line in said(orders))
+
+
+# ---- a grow: new ranks on an idle node ------------------------------------------------------
+
+
+def test_a_larger_world_starts_new_ranks_on_an_idle_node_once_every_rank_paused():
+    job = running_job(nnodes=3, spare_nodes=1)
+    orders = job.on(ScaleRequest(world_size=4), T0)
+    assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
+    assert "ranks [3] start on node(s) [3]" in orders[-1].value["resize"]
+    assert not sent(orders, Respawn)  # nothing starts before every rank has paused
+    orders = paused(job)
+    # the new rank starts first (the long pole), then every rank hears of the new world
+    assert sent(orders, Respawn) == [
+        (
+            3,
+            Respawn(
+                rank=3,
+                generation=1,
+                local_rank=0,
+                attempt=1,
+                fired=[],
+                world_size=4,
+                launched_as=-1,
+            ),
+        )
+    ]
+    assert sent(orders, Resize) == [
+        ("all", Resize(generation=1, step=4, world_size=4, ranks=[0, 1, 2], sources={"3": 0}))
+    ]
+    assert job.world_size == 4 and job.launched_as[3] == -1
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.2)
+    assert job.members[3].node == 3 and job.worker_pids[3] == [303]
+    relayed = job.on(StateSent(generation=1, target=3, digest="ab", rank=0), T0 + 0.3)
+    assert sent(relayed, StateAnnounced) == [
+        ("all", StateAnnounced(generation=1, rank=3, source=0, digest="ab"))
+    ]
+    for rank in range(3):
+        assert not job.on(Resumed(generation=1, rank=rank), T0 + 0.3)
+    orders = job.on(Resumed(generation=1, rank=3), T0 + 0.4)
+    assert job.state is S.RUNNING and job.resizing is None
+    (record,) = job.resizes
+    assert record["what"] == "grown from 3 to 4 at step 4 (planned)"
+    assert record["added"] == {"3": 3} and record["pulled"] == {"3": 0}
+    assert any("ranks [3] started on node 3" in line for line in said(orders))
+
+
+def test_a_refused_grow_starts_nothing():
+    job = running_job(nnodes=3, spare_nodes=1)
+    job.on(ScaleRequest(world_size=4), T0)
+    orders = paused(job, why="the data stream 'data' is drawn through session.batches()")
+    assert not sent(orders, Respawn) and sent(orders, Resume)
+    assert sorted(job.members) == [0, 1, 2]
+
+
+def shrunk_job(**fields):
+    """3 ranks on 3 nodes; node 1 lost in step 3: the world shrank to 2 (ranks 0 and 2,
+    now 0 and 1, on nodes 0 and 2), running again."""
+    job, _ = shrinking_job(**fields)
+    parked_at(job)
+    paused(job, step=3, ranks=(0, 2))
+    for rank in (0, 1):
+        job.on(Resumed(generation=1, rank=rank), T0 + 1.3)
+    assert job.state is S.RUNNING and job.world_size == 2
+    return job
+
+
+def test_an_added_node_grows_a_shrunk_world_back_to_its_launch_size():
+    job = shrunk_job()
+    orders = job.on(ScaleRequest(add_node=True), T0 + 2)
+    assert [o.msg for o in orders if isinstance(o, ToLaunchers)] == [StartNode(node=3)]
+    assert "grows from 2 ranks toward 3" in orders[-1].value["resize"]
+    assert job.state is S.RUNNING  # until the node's agent is there
+    job.on(Progress(rank=0, step=5), T0 + 2.5)
+    orders = job.on(AgentHello(node=3, pid=93, netns=None), T0 + 3)
+    assert sent(orders, Pause) == [("all", Pause(generation=2, step=6))]
+    assert job.resizing.plan.added == {2: 3}
+    orders = paused(job, step=6, ranks=(0, 1), generation=2)
+    assert sent(orders, Respawn)[0][0] == 3
+    assert sent(orders, Resize) == [
+        ("all", Resize(generation=2, step=6, world_size=3, ranks=[0, 1], sources={"2": 0}))
+    ]
+
+
+def test_a_lost_node_back_from_repair_grows_the_world_it_left():
+    job = shrunk_job()
+    job.on(AgentHello(node=1, pid=91, netns=None), T0 + 3)
+    assert job.state is S.RESIZING and job.resizing.plan.added == {2: 1}
+    assert job.resizing.why == "node 1 joined"
+
+
+def test_an_added_node_waits_as_a_spare_when_the_world_is_whole():
+    job = running_job(nnodes=3)
+    orders = job.on(ScaleRequest(add_node=True), T0)
+    assert "waits as a spare node" in orders[-1].value["resize"]
+    job.on(AgentHello(node=3, pid=93, netns=None), T0 + 1)
+    job.on(Progress(rank=0, step=4), T0 + 1.5)
+    assert job.state is S.RUNNING and job.resizing is None and 3 in job.agents
+
+
+def test_a_world_shrunk_by_request_does_not_grow_back_by_itself():
+    job, _ = resizing_job()
+    paused(job)
+    for rank in (0, 1):
+        job.on(Resumed(generation=1, rank=rank), T0 + 0.3)
+    assert job.wanted_world == 2
+    job.on(ScaleRequest(add_node=True), T0 + 1)
+    job.on(AgentHello(node=3, pid=93, netns=None), T0 + 1.5)
+    assert job.state is S.RUNNING and job.world_size == 2
+
+
+def test_an_injected_added_node_starts_two_steps_ahead_and_grows_at_its_step():
+    job = shrunk_job(faults=(parse_fault("add-node:step=8").to_json(),))
+    orders = job.on(Progress(rank=0, step=5), T0 + 2)
+    assert not any(isinstance(o, ToLaunchers) for o in orders)
+    orders = job.on(Progress(rank=0, step=6), T0 + 2.1)
+    assert [o.msg for o in orders if isinstance(o, ToLaunchers)] == [StartNode(node=3)]
+    job.on(AgentHello(node=3, pid=93, netns=None), T0 + 3)
+    assert job.resizing.plan.step == 8  # not 7, the next step none began
+
+
+def test_a_node_added_by_request_is_refused_with_hosts_of_their_own():
+    job = running_job(nnodes=3, multi_host=True)
+    with pytest.raises(Refused, match="launcher of its own"):
+        job.on(ScaleRequest(add_node=True), T0)
+
+
+def test_a_replacement_after_a_resize_starts_in_the_world_of_now_with_its_launch_faults():
+    job = shrunk_job()
+    job.on(Fault(record=FaultRecord(
+        rank=1, node=2, pid=202, attempt=0, kind="signal", detail="SIGKILL", step=5,
+        t_fault=T0 + 4, t_detected=T0 + 4, fault_time_source="detection",
+        detected_after_s=0.0)), T0 + 4)  # fmt: skip
+    orders = job.on(Tick(), T0 + 5)
+    ((node, respawn),) = sent(orders, Respawn)
+    assert node == 2 and respawn.world_size == 2 and respawn.launched_as == 2
+
+
+def test_a_snapshot_keeps_what_a_grow_needs():
+    job = shrunk_job(faults=(parse_fault("add-node:step=9").to_json(),))
+    job.on(ScaleRequest(add_node=True), T0 + 2)
+    again = restore(job.spec, snapshot(job), T0 + 3)
+    assert again.added_nodes == [3] and again.wanted_world == 3
+    assert again.launched_as == {0: 0, 1: 2} and again.scheduled_nodes == job.scheduled_nodes

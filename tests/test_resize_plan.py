@@ -7,6 +7,7 @@ from xmig.coord.resize import (
     Refusal,
     ResizeCause,
     ResizePlan,
+    free_slots,
     plan_grow,
     plan_planned,
     plan_shrink,
@@ -50,7 +51,7 @@ def test_a_lost_node_without_ranks_is_not_a_shrink():
 
 
 def test_a_planned_shrink_drops_the_highest_ranks():
-    plan = plan_planned(NODES, world_size=4, step=5, min_world_size=1, idle=[], nproc_per_node=2)
+    plan = plan_planned(NODES, world_size=4, step=5, min_world_size=1, free={})
     assert isinstance(plan, ResizePlan) and plan.cause is ResizeCause.PLANNED
     assert plan.ranks == {0: 0, 1: 1, 2: 2, 3: 3} and plan.dropped == [4, 5]
 
@@ -59,31 +60,35 @@ def test_a_fault_shrink_and_a_planned_shrink_give_the_same_world():
     """What the yardstick rests on: the same new size, ranks 0..N-1 (which old rank a new rank
     was does not enter what it computes)."""
     lost = plan_shrink(NODES, lost={0}, step=5, min_world_size=1, policy=OnNoSpare.SHRINK)
-    planned = plan_planned(NODES, world_size=4, step=5, min_world_size=1, idle=[], nproc_per_node=2)
+    planned = plan_planned(NODES, world_size=4, step=5, min_world_size=1, free={})
     assert sorted(lost.ranks.values()) == sorted(planned.ranks.values()) == [0, 1, 2, 3]
     assert lost.new_world == planned.new_world
 
 
-def test_a_planned_grow_starts_new_ranks_on_idle_nodes():
-    world = {0: 0, 1: 0, 2: 2, 3: 2}
-    plan = plan_planned(world, world_size=6, step=9, min_world_size=1, idle=[1], nproc_per_node=2)
-    assert isinstance(plan, ResizePlan) and plan.added == {4: 1, 5: 1}
-    assert plan.describe() == "grown from 4 to 6 at step 9 (planned)"
+def test_a_planned_grow_fills_the_nodes_that_run_ranks_then_idle_ones():
+    world = {0: 0, 1: 0, 2: 2}
+    free = free_slots(world, live=[0, 1, 2], nproc_per_node=2)
+    assert free == {1: 2, 2: 1}
+    plan = plan_planned(world, world_size=6, step=9, min_world_size=1, free=free)
+    assert isinstance(plan, ResizePlan) and plan.added == {3: 2, 4: 1, 5: 1}
+    assert plan.describe() == "grown from 3 to 6 at step 9 (planned)"
+    assert plan.nodes == {0: 0, 1: 0, 2: 2, 3: 2, 4: 1, 5: 1}
 
 
-@pytest.mark.parametrize(("size", "idle", "needle"), [
-    (0, [], "not possible"),
-    (6, [], "already 6"),
-    (8, [], "need 1 idle node(s); the job has 0"),
+@pytest.mark.parametrize(("size", "live", "needle"), [
+    (0, [0, 1, 2], "not possible"),
+    (6, [0, 1, 2], "already 6"),
+    (8, [0, 1, 2], "the job has room for 0"),
+    (9, [0, 1, 2, 3], "the job has room for 2"),
 ])  # fmt: skip
-def test_impossible_planned_sizes_are_refused_and_the_job_goes_on(size, idle, needle):
-    refusal = plan_planned(NODES, world_size=size, step=5, min_world_size=1, idle=idle,
-                           nproc_per_node=2)  # fmt: skip
+def test_impossible_planned_sizes_are_refused_and_the_job_goes_on(size, live, needle):
+    refusal = plan_planned(NODES, world_size=size, step=5, min_world_size=1,
+                           free=free_slots(NODES, live, nproc_per_node=2))  # fmt: skip
     assert isinstance(refusal, Refusal) and not refusal.stop and needle in refusal.reason
 
 
 def test_a_planned_size_below_the_minimum_is_refused():
-    refusal = plan_planned(NODES, world_size=2, step=5, min_world_size=4, idle=[], nproc_per_node=2)
+    refusal = plan_planned(NODES, world_size=2, step=5, min_world_size=4, free={})
     assert isinstance(refusal, Refusal) and "below --min-world-size 4" in refusal.reason
 
 

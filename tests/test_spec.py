@@ -90,6 +90,17 @@ def test_malformed_resizes(text, reason):
         parse_fault(text)
 
 
+def test_an_added_node_names_its_step_only():
+    spec = parse_fault("add-node:step=7")
+    assert (spec.kind, spec.step, spec.at) == ("add-node", 7, "boundary")
+    assert str(spec) == "add-node:step=7" and parse_fault(str(spec)) == spec
+    assert parse_faults(["add-node:step=7"], world_size=2) == [spec]
+    with pytest.raises(FaultSpecError, match="add-node takes step=S"):
+        parse_fault("add-node:step=7:rank=1")
+    with pytest.raises(FaultSpecError, match="missing step=S"):
+        parse_fault("add-node")
+
+
 def test_a_resize_beyond_the_launch_size_is_refused():
     with pytest.raises(FaultSpecError, match="larger than the launch's world size 2"):
         parse_faults(["resize:world=3:step=2"], world_size=2)

@@ -93,17 +93,22 @@ class WorkerEnv:
         attempt: int = 0,
         generation: int = 0,
         fired: Iterable[dict] = (),
+        world_size: int | None = None,
+        launched_as: int | None = None,
     ) -> WorkerEnv:
-        """The environment of ``rank``'s worker in the job ``spec`` describes: the faults to
-        inject into it are the spec's for that rank, less those already carried out
-        (``fired``) and planned migrations and resizes (the coordinator carries those out)."""
+        """The environment of ``rank``'s worker in the job ``spec`` describes, in a world of
+        ``world_size`` ranks (None: the launch's): the faults to inject into it are the
+        spec's for the rank it was launched as (``launched_as``, None: ``rank``; -1: none, a
+        rank a resize added), less those already carried out (``fired``) and planned events
+        (the coordinator carries those out)."""
         fired = list(fired)
-        faults = [FaultSpec.from_json(f) for f in spec.faults if f["rank"] == rank
+        named = rank if launched_as is None else launched_as
+        faults = [FaultSpec.from_json(f) for f in spec.faults if f["rank"] == named
                   and f not in fired and f["kind"] not in PLANNED]  # fmt: skip
         return cls(
             rank=rank,
             local_rank=local_rank,
-            world_size=spec.world_size,
+            world_size=world_size or spec.world_size,
             master_addr=spec.master_addr,
             master_port=spec.master_port,
             job_id=spec.job_id,

@@ -633,10 +633,12 @@ class InjectRequest(Message):
 @message("scale", L, C, request=True)
 @wire
 class ScaleRequest(Message):
-    """Change the world size at a step boundary. Reply: ``{"resize": str}``, or refused
-    with why."""
+    """Change the world size at a step boundary to ``world_size`` ranks, or (``add_node``)
+    start one more node, whose ranks grow the world back toward its size (or which waits as
+    a spare node). Reply: ``{"resize": str}``, or refused with why."""
 
-    world_size: int
+    world_size: int = 0
+    add_node: bool = False
 
 
 @message("migrate", L, C, request=True)
@@ -655,6 +657,15 @@ class Result(Message):
     summary: dict[str, Any]
 
 
+@message("start_node", C, L)
+@wire
+class StartNode(Message):
+    """Start an agent for node ``node``, which joins the job (``xmig scale --add-node``,
+    ``--inject add-node:``): the launcher that started every node's agent does it."""
+
+    node: int
+
+
 # ---- coordinator → agents ------------------------------------------------------------------
 @message("respawn", C, A)
 @wire
@@ -664,6 +675,11 @@ class Respawn(Message):
     local_rank: int
     attempt: int
     fired: list[dict[str, Any]]  # injected faults already carried out: not to fire again
+    world_size: int = 0  # the world's size now (0: the launch's)
+    # the launch rank whose injected faults the process carries (None: ``rank``; -1: none, a
+    # rank a resize added): a resize renumbers ranks, and a fault names the rank it was
+    # launched as
+    launched_as: int | None = None
 
 
 @message("restore", C, A)
@@ -831,6 +847,13 @@ class Resize(Message):
     step: int
     world_size: int
     ranks: list[int]
+    # a grow: each new rank (started by its agent meanwhile) -> the rank that serves it the
+    # state of ``step``'s start
+    sources: dict[str, int] = field(default_factory=dict)
+
+    def served_by(self, rank: int) -> list[int]:
+        """The new ranks ``rank`` serves the state to, in order."""
+        return sorted(int(r) for r, source in self.sources.items() if source == rank)
 
 
 @message("resume", C, A, relay=Relay.ALL)

@@ -80,7 +80,7 @@ class Session:
         ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause,
                             on_save=on_save, on_store=ctx.store_restarted,
                             on_prepare=migration.on_prepare)  # fmt: skip
-        resizer = Resizer(ctx, layout, self._make_group, self._on_world)
+        resizer = Resizer(ctx, layout, verifier, self._make_group, self._on_world)
 
         def on_resize(order: protocol.Resize) -> None:
             try:

@@ -642,14 +642,19 @@ class Agent:
     def _resize(self, order: Resize) -> None:
         """The world changes size: this node's workers take their new ranks (their reports
         name those from now on), those that leave are let go (their exit is no news), and
-        then every one of them hears it."""
+        then every one of them hears it. A rank the resize adds (started for it: its rank is
+        past the old world's) is already numbered in the new world, and needs no telling."""
         frame = encode(order)
+        old_world = len(order.ranks)
         with self._lock:
-            told = [w for w in self.workers.values()
-                    if w.peer is not None and w.state in ("running", "done")]  # fmt: skip
+            told = [w for w in self.workers.values() if w.rank < old_world
+                    and w.peer is not None and w.state in ("running", "done")]  # fmt: skip
             staying: dict[int, Worker] = {}
             for rank, worker in self.workers.items():
-                new = order.ranks[rank] if 0 <= rank < len(order.ranks) else -1
+                if old_world <= rank < order.world_size:
+                    staying[rank] = worker
+                    continue
+                new = order.ranks[rank] if 0 <= rank < old_world else -1
                 if new < 0:
                     if worker.state != "exited":
                         worker.state = "leaving"
@@ -690,7 +695,8 @@ class Agent:
         known = self.fired.setdefault(order.rank, [])
         known.extend(f for f in order.fired if f not in known)
         self._spawn(order.rank, order.local_rank, attempt=order.attempt,
-                    generation=order.generation)  # fmt: skip
+                    generation=order.generation, world_size=order.world_size or None,
+                    launched_as=order.launched_as)  # fmt: skip
 
     def _end_rank(self, order: EndRank) -> None:
         worker = self.workers.get(order.rank)
@@ -877,14 +883,16 @@ class Agent:
             self._post(CoordLost())
 
     # ---- workers --------------------------------------------------------------------------
-    def _spawn(self, rank: int, local_rank: int, attempt: int,
-               generation: int = 0) -> Worker | None:  # fmt: skip
+    def _spawn(self, rank: int, local_rank: int, attempt: int, generation: int = 0,
+               world_size: int | None = None,
+               launched_as: int | None = None) -> Worker | None:  # fmt: skip
         job = self.job
         assert self.server is not None
         env = WorkerEnv.for_rank(job, rank, local_rank, node_rank=self.node_rank,
                                  token=self.token, agent_addr=format_address(self.server.address),
                                  attempt=attempt, generation=generation,
-                                 fired=self.fired.get(rank, []))  # fmt: skip
+                                 fired=self.fired.get(rank, []), world_size=world_size,
+                                 launched_as=launched_as)  # fmt: skip
         environ = self._base_environ()
         environ.update(env.to_environ())
         interface = netif.rank_interface(rank)

@@ -29,6 +29,7 @@ from xmig.coord.orders import (
     Seal,
     Tick,
     ToAll,
+    ToLaunchers,
     ToNode,
 )
 from xmig.coord.snapshot import (
@@ -329,6 +330,13 @@ class Coordinator:
             self._finish(order.summary)
         elif isinstance(order, Seal):
             self._queue.put(_Pending(self._seal(order)))
+        elif isinstance(order, ToLaunchers):
+            with self._lock:
+                launchers = [p for p in self.launchers if p.info.get("role") == "launcher"]
+            data = pack(encode(order.msg))
+            pushed = [p.push_packed(data, within=PUSH_TIMEOUT_S) for p in launchers]
+            if not any(pushed):
+                log.warning("warning: no launcher took %s: %s", order.msg.OP, order.msg)
         else:  # pragma: no cover - the Job resolves every other order itself
             raise AssertionError(f"an order the coordinator cannot carry out: {order!r}")
 

@@ -37,12 +37,23 @@ from xmig.coord.orders import (
     Saved,
     Say,
     Settled,
+    StartRanks,
     Tick,
     ToAll,
+    ToLaunchers,
     ToNode,
 )
 from xmig.coord.recovery import Recovery
-from xmig.coord.resize import OnNoSpare, Refusal, ResizePlan, plan_planned, plan_shrink
+from xmig.coord.resize import (
+    OnNoSpare,
+    Refusal,
+    ResizeCause,
+    ResizePlan,
+    free_slots,
+    plan_grow,
+    plan_planned,
+    plan_shrink,
+)
 from xmig.coord.resizing import ResizePhase, Resizing
 from xmig.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from xmig.jobspec import HostLaunch, JobSpec, JobSpecError
@@ -77,6 +88,7 @@ from xmig.protocol import (
     Resumed,
     ScaleRequest,
     Spares,
+    StartNode,
     StateSent,
     StatusRequest,
     StopJob,
@@ -236,6 +248,18 @@ class Job:
     criu: dict[int, CriuStatus] = field(default_factory=dict)
     scheduled: list[dict[str, Any]] = field(default_factory=list)  # injected migrations
     scheduled_resizes: list[dict[str, Any]] = field(default_factory=list)  # injected resizes
+    scheduled_nodes: list[dict[str, Any]] = field(default_factory=list)  # injected add-node
+    # the size the world is to have: the launch's, until a planned resize changes it; a world
+    # shrunk below it by a lost node grows back when a node joins
+    wanted_world: int = 0
+    added_nodes: list[int] = field(default_factory=list)  # nodes started for the job later
+    # nodes that joined the running job, to grow the world onto: node -> the earliest step
+    joining: dict[int, int] = field(default_factory=dict)
+    # rank -> the rank it was launched as, whose injected faults its processes carry (-1:
+    # none, a rank a grow added): a resize renumbers ranks
+    launched_as: dict[int, int] = field(default_factory=dict)
+    # rank -> its local rank on its node (the GPU it uses there)
+    local_ranks: dict[int, int] = field(default_factory=dict)
     total_steps: int | None = None  # as the script's step loop said
     warned: set[str] = field(default_factory=set)
     retiring: set[int] = field(default_factory=set)  # processes whose end is expected
@@ -250,6 +274,12 @@ class Job:
         self.scheduled = [f for f in self.spec.faults if f["kind"] == "migrate"]
         self.scheduled_resizes = sorted((f for f in self.spec.faults if f["kind"] == "resize"),
                                         key=lambda f: int(f["step"]))  # fmt: skip
+        self.scheduled_nodes = sorted((f for f in self.spec.faults if f["kind"] == "add-node"),
+                                      key=lambda f: int(f["step"]))  # fmt: skip
+        self.wanted_world = self.wanted_world or self.world_size
+        self.launched_as = self.launched_as or {r: r for r in range(self.world_size)}
+        nproc = self.spec.nproc_per_node
+        self.local_ranks = self.local_ranks or {r: r % nproc for r in range(self.world_size)}
 
     # ---- the one entry -----------------------------------------------------------------------
     def on(self, event: Any, now: float) -> list[Order]:
@@ -308,6 +338,8 @@ class Job:
                 out += self._settled(order, now)
             elif isinstance(order, Renumber):
                 self._renumber(order)
+            elif isinstance(order, StartRanks):
+                out += self._start_ranks(order)
             else:
                 out.append(order)
         return out
@@ -326,6 +358,12 @@ class Job:
         # spare nodes may come later: a job needs them only once a node is lost
         if set(range(self.spec.nnodes)) <= self.agents and self.state is S.STARTING:
             orders += self._enter(S.RUNNING, now)
+        elif self.state is not S.STARTING:
+            # a node that joins the running job (added, a spare come late, a repaired one
+            # back): the world grows onto it if a lost node left it smaller than wanted
+            self.joining.setdefault(msg.node, 0)
+            orders.append(Say(f"node {msg.node} joined the job"))
+            orders += self._maybe_grow(now)
         return [*orders, Reply({"job": self.spec.to_json(), "generation": self.generation})]
 
     # ---- a restarted coordinator --------------------------------------------------------------
@@ -432,7 +470,7 @@ class Job:
         """Refuse an agent of a node that does not exist or has joined, or a host whose
         launcher was given another command line than the job's."""
         spec = self.spec
-        if not 0 <= msg.node < spec.all_nodes:
+        if not 0 <= msg.node < spec.all_nodes and msg.node not in self.added_nodes:
             spares = f" and {spec.spare_nodes} spare" if spec.spare_nodes else ""
             raise Refused(f"node rank {msg.node} is not expected: the job has {spec.nnodes} "
                           f"node(s){spares}, node ranks 0..{spec.all_nodes - 1}")  # fmt: skip
@@ -456,7 +494,7 @@ class Job:
 
     def _worker_started(self, msg: WorkerStarted, now: float) -> list[Order]:
         self.spawned += 1
-        self.worker_pids[msg.rank].append(msg.pid)
+        self.worker_pids.setdefault(msg.rank, []).append(msg.pid)
         if msg.container is not None:
             self.worker_containers.setdefault(msg.rank, []).append(msg.container)
         self.members[msg.rank] = Member(msg.node, msg.pid, msg.attempt, msg.from_spare)
@@ -487,7 +525,14 @@ class Job:
                                              at_step=int(fault["step"]))[1]  # fmt: skip
             except Refused as exc:
                 orders.append(Say(f"injected {spec} not done: {exc}"))
-        return orders
+        while self.scheduled_nodes and msg.step >= int(self.scheduled_nodes[0]["step"]) - 2:
+            fault = self.scheduled_nodes.pop(0)
+            spec = str(FaultSpec.from_json(fault))
+            try:
+                orders += self._add_node(spec, now, at_step=int(fault["step"]))[1]
+            except Refused as exc:
+                orders.append(Say(f"injected {spec} not done: {exc}"))
+        return orders + self._maybe_grow(now)
 
     def _worker_done(self, msg: WorkerDone, now: float) -> list[Order]:
         self.done[msg.rank] = msg
@@ -738,9 +783,11 @@ class Job:
             self.ordered_attempt[rank] = attempt
             orders.append(ToNode(placement[rank], Respawn(
                 rank=rank, generation=self.generation,
-                local_rank=rank % self.spec.nproc_per_node,
+                local_rank=self.local_ranks.get(rank, rank % self.spec.nproc_per_node),
                 attempt=attempt,
                 fired=self.fired.get(rank, []),  # on another node: not to be fired again
+                world_size=self.world_size,
+                launched_as=self.launched_as.get(rank, rank),
             )))  # fmt: skip
         moved = sorted({n for r, n in placement.items() if n != self.members[r].node})
         what = f"respawning rank {replaced}" if replaced else "rebuilding in place"
@@ -775,6 +822,8 @@ class Job:
             why = replay_divergence(differ[0], record["ranks"]) if differ else None
         elif self.resizing is not None:
             self.resizes.append(record)
+            if record["cause"] == ResizeCause.PLANNED.value and not record.get("refused"):
+                self.wanted_world = record["new_world"]
         else:
             self.migrations.append(record)
         self.recovery = self.migration = self.resizing = None
@@ -916,6 +965,8 @@ class Job:
             raise Refused(str(exc)) from None
         if fault.kind == "resize":
             raise Refused("a resize is asked for with `xmig scale --world-size N`")
+        if fault.kind == "add-node":
+            raise Refused("a node is added with `xmig scale --add-node`")
         if fault.rank >= self.world_size:
             raise Refused(f"rank {fault.rank} does not exist (world size {self.world_size})")
         if self.state is not S.RUNNING:
@@ -962,39 +1013,111 @@ class Job:
         return text, orders
 
     def _scale(self, msg: ScaleRequest, now: float) -> list[Order]:
-        text, orders = self._start_resize(msg.world_size, "request", now)
+        if msg.add_node:
+            if msg.world_size:
+                raise Refused("ask for either --world-size or --add-node")
+            text, orders = self._add_node("request", now)
+        else:
+            text, orders = self._start_resize(msg.world_size, "request", now)
         return [*orders, Reply({"resize": text})]
 
     def _start_resize(self, world_size: int, why: str, now: float,
                       at_step: int = 0) -> tuple[str, list[Order]]:  # fmt: skip
         """Start changing the world to ``world_size`` ranks at the start of ``at_step``, or
-        of the first step no rank has begun if that is later; raises ``Refused`` with why
-        it cannot."""
+        of the first step no rank has begun if that is later (new ranks on idle nodes);
+        raises ``Refused`` with why it cannot."""
+        self._check_can_resize()
+        step = max(at_step, max(self.progress.values()) + 1)
+        nodes = {r: m.node for r, m in self.members.items()}
+        free = free_slots(nodes, sorted(self.agents), self.spec.nproc_per_node)
+        plan = plan_planned(nodes, world_size, step, min_world_size=1, free=free)
+        if isinstance(plan, Refusal):
+            raise Refused(plan.reason)
+        return self._begin_resize(plan, why, now)
+
+    def _check_can_resize(self) -> None:
         if self.state is not S.RUNNING:
             what = "handling a fault" if self.state is S.SETTLING else self.state.value
             raise Refused(f"the job is {what}, not running")
         if not self.progress:
             raise Refused("no rank has started training yet")
-        if world_size > self.world_size:
-            raise Refused(f"growing the world (from {self.world_size} to {world_size}) is not "
-                          "supported yet: a resize can only shrink it")  # fmt: skip
-        step = max(at_step, max(self.progress.values()) + 1)
-        nodes = {r: m.node for r, m in self.members.items()}
-        plan = plan_planned(nodes, world_size, step, min_world_size=1,
-                            idle=decide.idle_nodes(self),
-                            nproc_per_node=self.spec.nproc_per_node)  # fmt: skip
-        if isinstance(plan, Refusal):
-            raise Refused(plan.reason)
-        assert isinstance(plan, ResizePlan)
+
+    def _begin_resize(self, plan: ResizePlan, why: str, now: float) -> tuple[str, list[Order]]:
         self.generation += 1
         self.resizing = Resizing(self.generation, plan, why, started=now,
                                  deadline=now + self.spec.recovery_timeout)  # fmt: skip
-        text = (f"resizing the world from {plan.old_world} to {plan.new_world} ranks at the "
-                f"start of step {step} (generation {self.generation})")  # fmt: skip
+        verb = "growing" if plan.new_world > plan.old_world else "resizing"
+        text = (f"{verb} the world from {plan.old_world} to {plan.new_world} ranks at the "
+                f"start of step {plan.step} (generation {self.generation})")  # fmt: skip
+        if plan.added:
+            nodes = sorted(set(plan.added.values()))
+            text += f": ranks {sorted(plan.added)} start on node(s) {nodes}"
         orders = [*self._enter(S.RESIZING, now),
                   Note("generation", {"generation": self.generation, "why": "resize"}),
                   *self.resizing.start(now), Say(text)]  # fmt: skip
         return text, orders
+
+    def _add_node(self, why: str, now: float, at_step: int = 0) -> tuple[str, list[Order]]:
+        """Have the launcher start one more node for the job (its agent joins as any
+        node's does; ``_agent_hello`` grows the world onto it, from ``at_step`` on at the
+        earliest, if a lost node left the world smaller than wanted)."""
+        if self.spec.multi_host:
+            raise Refused("each host of this job runs a launcher of its own: start `xmig run "
+                          "--rdzv-endpoint ... --node-rank N` on the new host, N a spare node "
+                          "rank or a lost node's")  # fmt: skip
+        if self.state not in LIVE or self.state is S.CHECKPOINTING:
+            raise Refused(f"the job is {self.state.value}")
+        node = self.spec.all_nodes + len(self.added_nodes)
+        self.added_nodes.append(node)
+        if at_step:
+            self.joining[node] = at_step
+        if self.world_size < self.wanted_world:
+            then = (f"the world grows from {self.world_size} ranks toward {self.wanted_world} "
+                    "at the first step boundary after it joins")  # fmt: skip
+        else:
+            then = f"it waits as a spare node (the world has its {self.wanted_world} ranks)"
+        text = f"starting node {node} ({why}): {then}"
+        return text, [Note("add_node", {"node": node, "why": why}),
+                      ToLaunchers(StartNode(node=node)), Say(text)]  # fmt: skip
+
+    def _maybe_grow(self, now: float) -> list[Order]:
+        """A node that joined the running job is idle and the world is smaller than wanted
+        (a lost node shrank it): grow onto it at the next step boundary."""
+        if not self.joining or self.state is not S.RUNNING or not self.progress:
+            return []
+        if self.world_size >= self.wanted_world:
+            return []
+        idle = decide.idle_nodes(self)
+        ready = [n for n in sorted(self.joining) if n in idle]
+        if not ready:
+            return []
+        node = ready[0]
+        earliest = self.joining.pop(node)
+        step = max(earliest, max(self.progress.values()) + 1)
+        nodes = {r: m.node for r, m in self.members.items()}
+        plan = plan_grow(nodes, node, step, idle, self.spec.nproc_per_node,
+                         max_world_size=self.wanted_world)  # fmt: skip
+        if isinstance(plan, Refusal):
+            return [Say(f"node {node} stays a spare: {plan.reason}")]
+        return self._begin_resize(plan, f"node {node} joined", now)[1]
+
+    def _start_ranks(self, order: StartRanks) -> list[Order]:
+        """The ranks a grow adds: each started by its node's agent as a process that pulls
+        its state (an attempt after any earlier process of that rank number)."""
+        orders: list[Order] = []
+        used = {(m.node, self.local_ranks.get(r)) for r, m in self.members.items()}
+        for rank, node in sorted(order.added.items()):
+            local_rank = next(i for i in range(len(used) + 1) if (node, i) not in used)
+            used.add((node, local_rank))
+            self.local_ranks[rank] = local_rank
+            before = len(self.worker_pids.get(rank, []))
+            attempt = max(self.ordered_attempt.get(rank, 0), before) + 1
+            self.ordered_attempt[rank] = attempt
+            self.launched_as[rank] = -1
+            orders.append(ToNode(node, Respawn(
+                rank=rank, generation=order.generation, local_rank=local_rank, attempt=attempt,
+                fired=[], world_size=order.world_size, launched_as=-1)))  # fmt: skip
+        return orders
 
     def _start_shrink(self, primary: FaultRecord, replaced: list[int],
                       now: float) -> list[Order]:  # fmt: skip
@@ -1043,6 +1166,8 @@ class Job:
         self.done = moved(self.done)
         self.fired = moved(self.fired)
         self.ordered_attempt = moved(self.ordered_attempt)
+        self.launched_as = moved(self.launched_as)
+        self.local_ranks = moved(self.local_ranks)
         self.joined = {ranks[r] for r in self.joined if r in ranks}
         self.exited = {ranks[r] for r in self.exited if r in ranks}
         self.world_size = order.world_size

@@ -108,6 +108,23 @@ class Renumber:
 
 
 @dataclass(frozen=True)
+class StartRanks:
+    """The world grows: start each new rank of ``added`` (rank -> node) for ``generation``,
+    in a world of ``world_size`` ranks (the job numbers its processes' attempts)."""
+
+    generation: int
+    added: dict[int, int]
+    world_size: int
+
+
+@dataclass(frozen=True)
+class ToLaunchers:
+    """Push ``msg`` to every launcher that waits for the job's outcome."""
+
+    msg: Message
+
+
+@dataclass(frozen=True)
 class Retry:
     """The recovery failed in a way that a rollback of the step can serve: start it over
     as one (``why``: what made the replay impossible)."""
@@ -140,4 +157,6 @@ Order = (
     | Saved
     | Retry
     | Renumber
+    | StartRanks
+    | ToLaunchers
 )

@@ -89,10 +89,21 @@ def plan_shrink(nodes: dict[int, int], lost: set[int], step: int, min_world_size
     return ResizePlan(ResizeCause.NODE_LOST, step, len(nodes), len(keep), ranks, {}, new_nodes)
 
 
+def free_slots(nodes: dict[int, int], live: list[int], nproc_per_node: int) -> dict[int, int]:
+    """Each live node's room for more ranks (``nproc_per_node`` a node, less those it runs),
+    in node order."""
+    used: dict[int, int] = {}
+    for node in nodes.values():
+        used[node] = used.get(node, 0) + 1
+    return {n: nproc_per_node - used.get(n, 0) for n in sorted(live)
+            if used.get(n, 0) < nproc_per_node}  # fmt: skip
+
+
 def plan_planned(nodes: dict[int, int], world_size: int, step: int, min_world_size: int,
-                 idle: list[int], nproc_per_node: int) -> ResizePlan | Refusal:  # fmt: skip
+                 free: dict[int, int]) -> ResizePlan | Refusal:  # fmt: skip
     """A resize the job asked for: to a smaller world the highest ranks leave; to a larger one
-    new ranks start on ``idle`` nodes, ``nproc_per_node`` to a node, in node order."""
+    new ranks start where ``free`` (node -> room for more ranks, ``free_slots``) has room,
+    the nodes that run ranks already first, then in node order."""
     old = len(nodes)
     if world_size < 1:
         return Refusal(f"a world size of {world_size} is not possible", stop=False)
@@ -104,32 +115,37 @@ def plan_planned(nodes: dict[int, int], world_size: int, step: int, min_world_si
     if world_size < old:
         ranks, new_nodes = _renumbered(nodes, list(range(world_size)))
         return ResizePlan(ResizeCause.PLANNED, step, old, world_size, ranks, {}, new_nodes)
-    return _grown(nodes, world_size - old, step, idle, nproc_per_node, ResizeCause.PLANNED)
+    busy = set(nodes.values())
+    order = sorted(free, key=lambda n: (n not in busy, n))
+    return _grown(nodes, world_size - old, step, {n: free[n] for n in order},
+                  ResizeCause.PLANNED)  # fmt: skip
 
 
 def plan_grow(nodes: dict[int, int], node: int, step: int, idle: list[int],
               nproc_per_node: int, max_world_size: int) -> ResizePlan | Refusal:  # fmt: skip
     """``node`` joins the world with ``nproc_per_node`` new ranks, up to ``max_world_size``
-    (the size the job was launched at: more would change what it was asked to train)."""
+    (the size the job is to have: more would change what it was asked to train)."""
     room = max_world_size - len(nodes)
     if room <= 0:
-        return Refusal(f"the world is at its launch size ({max_world_size}): node {node} "
-                       "stays a spare", stop=False)  # fmt: skip
+        return Refusal(f"the world has its {max_world_size} ranks: node {node} stays a spare",
+                       stop=False)  # fmt: skip
     if node not in idle:
         return Refusal(f"node {node} is not an idle node of the job", stop=False)
-    return _grown(nodes, min(room, nproc_per_node), step, [node], nproc_per_node,
+    return _grown(nodes, min(room, nproc_per_node), step, {node: nproc_per_node},
                   ResizeCause.NODE_ADDED)  # fmt: skip
 
 
-def _grown(nodes: dict[int, int], more: int, step: int, idle: list[int], nproc_per_node: int,
+def _grown(nodes: dict[int, int], more: int, step: int, free: dict[int, int],
            cause: ResizeCause) -> ResizePlan | Refusal:  # fmt: skip
-    needed = -(-more // nproc_per_node)
-    if needed > len(idle):
-        return Refusal(f"{more} more rank(s) need {needed} idle node(s); the job has "
-                       f"{len(idle)}", stop=False)  # fmt: skip
+    """``more`` new ranks numbered after the world's, placed into ``free`` in its order."""
+    if more > sum(free.values()):
+        return Refusal(f"{more} more rank(s) need room on live nodes; the job has room for "
+                       f"{sum(free.values())} (an idle node, or one running fewer ranks than "
+                       "--nproc-per-node)", stop=False)  # fmt: skip
     old = len(nodes)
-    ranks = {r: r for r in range(old)}  # a world that was shrunk is numbered 0..old-1 already
     if sorted(nodes) != list(range(old)):
         raise ValueError(f"the world's ranks are not 0..{old - 1}: {sorted(nodes)}")
-    added = {old + i: sorted(idle)[i // nproc_per_node] for i in range(more)}
+    ranks = {r: r for r in range(old)}  # a world that was shrunk is numbered 0..old-1 already
+    places = [n for n, room in free.items() for _ in range(room)]
+    added = {old + i: places[i] for i in range(more)}
     return ResizePlan(cause, step, old, old + more, ranks, added, {**nodes, **added})

@@ -13,6 +13,10 @@ latest step any of them holds the state of: that step redone, or, for a survivor
 the step before (whose collectives had ended), the next, with the state pulled from a peer
 as a rollback's does. The resize goes on from the pause as a planned one does: so it ends
 as the planned resize at that step.
+
+A grow starts its new ranks once every rank has paused (a resize refused there needs none);
+each new rank makes the new world with the others and is served the state of the pause
+step's start by one of them, then says ``Resumed`` like every other rank.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from xmig.coord.orders import GiveUp, Note, Order, Renumber, Say, Settled, ToAll
+from xmig.coord.orders import GiveUp, Note, Order, Renumber, Say, Settled, StartRanks, ToAll
 from xmig.coord.recovery import RecoveryImpossible, pull_sources
 from xmig.coord.resize import ResizePlan
 from xmig.protocol import (
@@ -148,7 +152,8 @@ class Resizing:
             if len(self.positions) < len(self.survivors):
                 return []
             return self._parked(now)
-        if isinstance(event, StateSent) and phase is ResizePhase.PAUSING:
+        if isinstance(event, StateSent) and phase in (ResizePhase.PAUSING,
+                                                      ResizePhase.RESIZING):  # fmt: skip
             return self._relay_digest(event)
         if isinstance(event, PauseRefused) and phase is ResizePhase.PAUSING:
             self._with_step(max(self.step, event.step + 1))
@@ -170,18 +175,26 @@ class Resizing:
                 why = min(self.refusals.items())[1]
                 return [*self._enter(ResizePhase.REFUSED, now, why=why),
                         ToAll(Resume(generation=self.generation))]  # fmt: skip
+            plan = self.plan
+            # each new rank is served by a rank that stays, in turn (several serve at once)
+            servers = sorted(plan.ranks.values())
+            self.sources = {str(rank): servers[i % len(servers)]
+                            for i, rank in enumerate(sorted(plan.added))}  # fmt: skip
             order = Resize(
                 generation=self.generation,
                 step=self.step,
-                world_size=self.plan.new_world,
-                ranks=rank_map(self.plan),
+                world_size=plan.new_world,
+                ranks=rank_map(plan),
+                sources=dict(self.sources),
             )
             # the job counts the new world from now: the ranks' next reports name new ranks
-            return [
+            orders = [
                 *self._enter(ResizePhase.RESIZING, now),
-                Renumber(dict(self.plan.ranks), self.plan.new_world),
-                ToAll(order),
+                Renumber({**plan.ranks, **{r: r for r in plan.added}}, plan.new_world),
             ]
+            if plan.added:  # their start is the long pole: ordered first
+                orders.append(StartRanks(self.generation, dict(plan.added), plan.new_world))
+            return [*orders, ToAll(order)]
         if isinstance(event, Resumed) and phase in (ResizePhase.RESIZING, ResizePhase.REFUSED):
             self.resumed.add(event.rank)
             size = self.plan.new_world if phase is ResizePhase.RESIZING else self.plan.old_world
@@ -230,8 +243,8 @@ class Resizing:
                              sources=self.sources))]  # fmt: skip
 
     def _relay_digest(self, event: StateSent) -> list[Order]:
-        """A shrink's serving survivor's digest of the state it sent, to the one that
-        received it."""
+        """A serving rank's digest of the state it sent (to a shrink's survivor still in the
+        step before, or to a rank the world grows by), to the one that received it."""
         if self.sources.get(str(event.target)) != event.rank:
             return [Note("ignored", {"why": f"a state digest from rank {event.rank}, which "
                                             "serves no state"})]  # fmt: skip
@@ -247,7 +260,9 @@ class Resizing:
             "park": pausing - self.started,  # a shrink: the survivors park (0 planned)
             "quiesce": quiesced - pausing,  # to the pause step (a shrink: the step rolled back)
             "stop": self.stop_s,  # from the pause boundary to the rank's report
-            "rebuild": end - quiesced,  # renumbered, new communicator and DDP, resumed
+            # renumbered, new ranks started (a grow), the new communicator and DDP, the new
+            # ranks served their state, every rank resumed
+            "rebuild": end - quiesced,
         }
         return {
             "kind": "resize",
@@ -259,8 +274,10 @@ class Resizing:
             "new_world": self.plan.new_world,
             "ranks": {str(old): new for old, new in sorted(self.plan.ranks.items())},
             "left": self.plan.dropped,
+            "added": {str(r): node for r, node in sorted(self.plan.added.items())},
             "lost": self.lost,
-            "pulled": {r: s for r, s in sorted(self.sources.items())},  # a shrink's laggards
+            # who pulled the state from whom: a shrink's laggards, a grow's new ranks
+            "pulled": {r: s for r, s in sorted(self.sources.items())},
             # why a rank's world could not change size (the job went on at the old size)
             "refused": min(self.refusals.items())[1] if self.refusals else None,
             "what": self.plan.describe(),
@@ -283,5 +300,10 @@ def describe_resize(record: dict[str, Any]) -> str:
         )
     gone = "lost" if record.get("lost") else "left"
     left = f", ranks {record['left']} {gone}" if record["left"] else ""
+    added = record.get("added") or {}
+    if added:
+        nodes = sorted(set(added.values()))
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes}"
+        left += f", ranks {sorted(int(r) for r in added)} started on {where}"
     return (f"{record['what']} in {record['total_s']:.2f} s (downtime "
             f"{record['downtime_s']:.2f} s{left}) [{phases}]")  # fmt: skip

@@ -57,6 +57,7 @@ def revision(job: Job) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     Cheap: compared after every event, never a sum over the ranks."""
     decided = (job.state, job.generation, len(job.faults), len(job.batch), len(job.recoveries),
                len(job.migrations), len(job.resizes), job.world_size, len(job.lost_nodes),
+               len(job.added_nodes), len(job.joining), job.wanted_world,
                tuple(sorted(job.agents)),
                len(job.checks), job.verdict, job.reason, job.jit_checkpoint is not None,
                job.released, job.restarts, len(job.scheduled), len(job.warned),
@@ -96,6 +97,12 @@ def snapshot(job: Job) -> dict[str, Any]:
         "left_ranks": job.left_ranks,
         "world_size": job.world_size,
         "scheduled_resizes": job.scheduled_resizes,
+        "scheduled_nodes": job.scheduled_nodes,
+        "wanted_world": job.wanted_world,
+        "added_nodes": job.added_nodes,
+        "joining": _keys_str(job.joining),
+        "launched_as": _keys_str(job.launched_as),
+        "local_ranks": _keys_str(job.local_ranks),
         "checks": [[g, _checks_json(c)] for g, c in sorted(job.checks.items())],
         "verdict": job.verdict,
         "reason": job.reason,
@@ -139,6 +146,12 @@ def restore(spec: JobSpec, data: dict[str, Any], now: float, launch: HostLaunch 
         job.left_ranks = list(data.get("left_ranks", []))
         job.world_size = int(data.get("world_size", spec.world_size))
         job.scheduled_resizes = list(data.get("scheduled_resizes", job.scheduled_resizes))
+        job.scheduled_nodes = list(data.get("scheduled_nodes", job.scheduled_nodes))
+        job.wanted_world = int(data.get("wanted_world", job.wanted_world))
+        job.added_nodes = [int(n) for n in data.get("added_nodes", [])]
+        job.joining = _keys_int(data.get("joining", {}))
+        job.launched_as = _keys_int(data.get("launched_as", _keys_str(job.launched_as)))
+        job.local_ranks = _keys_int(data.get("local_ranks", _keys_str(job.local_ranks)))
         job.checks = {int(g): _checks_back(c) for g, c in data["checks"]}
         job.verdict, job.reason = data["verdict"], data["reason"]
         job.lost_nodes = list(data["lost_nodes"])

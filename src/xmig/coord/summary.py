@@ -36,6 +36,7 @@ def unfired(job: Job) -> list[str]:
     resized = {r.get("why") for r in job.resizes}
     never += [f for f in job.spec.faults if f["kind"] == "resize"
               and str(FaultSpec.from_json(f)) not in resized]  # fmt: skip
+    never += [f for f in job.scheduled_nodes]  # add-node: the job ended before its step
     return [str(FaultSpec.from_json(f)) for f in never]
 
 
@@ -62,6 +63,13 @@ def _with_checks(job: Job, record: dict[str, Any]) -> dict[str, Any]:
         extra["not_bit_identical"] = why
     extra["verified"] = verdict(record.get("replay"), checks.get("verified"), why)
     return {**record, **extra}
+
+
+def _grow_checked(job: Job, record: dict[str, Any]) -> dict[str, Any]:
+    """A grow's record with whether every rank's parameters were equal after its first step
+    (the new ranks' against their peers')."""
+    checks = job.checks.get(int(record["generation"]), {})
+    return {**record, "replicas_equal": checks.get("verified")}
 
 
 def final_fingerprint(job: Job) -> str | None:
@@ -134,8 +142,10 @@ def summary(job: Job, now: float) -> dict[str, Any]:
         "secondary_faults": [f for f in faults if f["secondary"]],
         "recoveries": [_with_checks(job, r) for r in job.recoveries],
         "migrations": job.migrations,
-        "resizes": job.resizes,
+        # a grow's record says whether the new ranks' parameters equalled their peers'
+        "resizes": [_grow_checked(job, r) if r.get("added") else r for r in job.resizes],
         "left_ranks": job.left_ranks,
+        "added_nodes": job.added_nodes,
         "worker_pids": {str(r): pids for r, pids in sorted(job.worker_pids.items())},
         "worker_containers": {str(r): ids for r, ids in sorted(job.worker_containers.items())},
         "coordinator_pid": os.getpid(),

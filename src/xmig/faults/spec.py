@@ -1,5 +1,6 @@
 """Fault specifications: ``KIND:rank=R:step=S[:at=POINT][:code=N]``, and the planned events
-given the same way: ``migrate:rank=R:step=S[:to=N]``, ``resize:world=N:step=S``."""
+given the same way: ``migrate:rank=R:step=S[:to=N]``, ``resize:world=N:step=S``,
+``add-node:step=S``."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any
 
 # node: the whole node of the rank is lost at once (its agent, its workers, its spares);
 # migrate: not a fault, a planned move of the rank to another node (to=N) at a step boundary;
-# resize: not a fault either, the world changed to world=N ranks at a step boundary
-KINDS = ("kill", "exit", "raise", "hang", "node", "migrate", "resize")
+# resize: not a fault either, the world changed to world=N ranks at a step boundary;
+# add-node: one more node started as the job reaches step S (``xmig scale --add-node``)
+KINDS = ("kill", "exit", "raise", "hang", "node", "migrate", "resize", "add-node")
 # what the coordinator carries out at a step boundary, not the workers' injector
-PLANNED = ("migrate", "resize")
+PLANNED = ("migrate", "resize", "add-node")
 POINTS = ("forward", "backward", "optimizer", "boundary")
 # where a rank parked in ``step`` is in a peer's recovery, or in writing a just-in-time
 # checkpoint: the fault fires as it begins that phase (``recovery record``'s phase names)
@@ -62,6 +64,8 @@ class FaultSpec:
     def __str__(self) -> str:
         if self.kind == "resize":
             return f"resize:world={self.world}:step={self.step}"
+        if self.kind == "add-node":
+            return f"add-node:step={self.step}"
         text = f"{self.kind}:rank={self.rank}"
         if self.step is not None:
             text += f":step={self.step}"
@@ -108,6 +112,8 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
         fields[key] = value
     if kind == "resize":
         return _parse_resize(fields, spec, require_step)
+    if kind == "add-node":
+        return _parse_add_node(fields, spec, require_step)
     unknown = set(fields) - {"rank", "step", "at", "code", "to"}
     if unknown:
         raise FaultSpecError(f"unknown field {sorted(unknown)[0]!r} in {spec!r}")
@@ -169,6 +175,17 @@ def _parse_resize(fields: dict[str, str], spec: str, require_step: bool) -> Faul
     return FaultSpec(kind="resize", rank=0, step=step, at="boundary", world=world)
 
 
+def _parse_add_node(fields: dict[str, str], spec: str, require_step: bool) -> FaultSpec:
+    unknown = set(fields) - {"step"}
+    if unknown:
+        raise FaultSpecError(f"unknown field {sorted(unknown)[0]!r} in {spec!r} (add-node "
+                             "takes step=S)")  # fmt: skip
+    if require_step and "step" not in fields:
+        raise FaultSpecError(f"missing step=S in {spec!r}")
+    step = _int_field("step", fields["step"], spec, 1) if "step" in fields else None
+    return FaultSpec(kind="add-node", rank=0, step=step, at="boundary")
+
+
 def parse_faults(specs: list[str], world_size: int) -> list[FaultSpec]:
     """Parse several specs and check their ranks against the world size."""
     faults = []
@@ -178,6 +195,8 @@ def parse_faults(specs: list[str], world_size: int) -> list[FaultSpec]:
             if fault.world is not None and fault.world > world_size:
                 raise FaultSpecError(f"world={fault.world} in {text!r} is larger than the "
                                      f"launch's world size {world_size}")  # fmt: skip
+        elif fault.kind == "add-node":
+            pass
         elif fault.rank >= world_size:
             raise FaultSpecError(
                 f"rank {fault.rank} does not exist in {text!r} (world size {world_size})"

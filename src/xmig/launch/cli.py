@@ -202,7 +202,9 @@ def run(
             "|collective=K|completion=K], KIND one of kill, exit, raise, hang, node (the "
             "rank's whole node is lost); completion=K (raise only): the K-th collective fails "
             "after its launch; or at a phase of a peer's recovery the rank takes part in while "
-            "parked in step S: at=park|rebuild|pull|replay|checkpoint. Repeatable."
+            "parked in step S: at=park|rebuild|pull|replay|checkpoint. Planned events the "
+            "same way: migrate:rank=R:step=S[:to=N], resize:world=N:step=S, add-node:step=S "
+            "(one more node started as the job reaches step S). Repeatable."
         ),
     ] = None,
     summary: Annotated[
@@ -618,17 +620,32 @@ def migrate_cmd(
 
 @app.command("scale")
 def scale_cmd(
-    world_size: Annotated[int, typer.Option(help="The number of ranks to go on with.")],
+    world_size: Annotated[
+        int | None, typer.Option(help="The number of ranks to go on with.")
+    ] = None,
+    add_node: Annotated[
+        bool,
+        typer.Option(
+            "--add-node",
+            help="Start one more node: the world grows onto it back toward its size (the "
+            "launch's, or the last --world-size asked for) if a lost node shrank it; "
+            "otherwise it waits as a spare node.",
+        ),
+    ] = False,
     job: JobOpt = None,
     coord: CoordOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Change the number of data-parallel ranks at the next step boundary: the highest ranks
-    leave, the others go on at the new size with their state (nothing is pulled or
-    replayed). The script must draw its data through session.shards()."""
-    if world_size < 1:
+    """Change the number of data-parallel ranks at the next step boundary. Smaller: the
+    highest ranks leave, the others go on with their state (nothing is pulled or replayed).
+    Larger: new ranks start on idle nodes and pull the state from the others. The script
+    must draw its data through session.shards()."""
+    if (world_size is None) == (not add_node):
+        raise typer.BadParameter("give either --world-size N or --add-node")
+    if world_size is not None and world_size < 1:
         raise typer.BadParameter(f"--world-size must be at least 1, got {world_size}")
-    reply = _request(job, coord, token, "resize refused", "scale", world_size=world_size)
+    reply = _request(job, coord, token, "resize refused", "scale",
+                     world_size=world_size or 0, add_node=add_node)  # fmt: skip
     print(f"xmig: {reply['resize']}")
 
 

@@ -145,19 +145,7 @@ class SimulatedHosts:
             _ip("addr", "add", f"{self.bridge_address}/{prefix}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for node in range(self.count):
-                namespace, outer = self.namespace(node), f"xmv{self.tag}n{node}"
-                _ip("netns", "add", namespace)
-                self.created.append(namespace)
-                _ip("link", "add", outer, "type", "veth", "peer", "name", INNER_IFNAME,
-                    "netns", namespace)  # fmt: skip
-                _ip("link", "set", outer, "master", self.bridge, "up")
-                _ip("-n", namespace, "addr", "add", f"{self.address(node)}/{prefix}", "dev",
-                    INNER_IFNAME)  # fmt: skip
-                _ip("-n", namespace, "link", "set", INNER_IFNAME, "up")
-                _ip("-n", namespace, "link", "set", "lo", "up")
-                # a process moved here (CRIU) brings sockets bound to its old node's address
-                _ip("netns", "exec", namespace, "sh", "-c",
-                    "echo 1 > /proc/sys/net/ipv4/ip_nonlocal_bind")  # fmt: skip
+                self._make_node(node)
             for rank, node in enumerate(ranks):
                 inner, outer = netif.rank_interface(rank), f"xmr{self.tag}r{rank}"
                 namespace = self.namespace(node)
@@ -171,6 +159,34 @@ class SimulatedHosts:
             self.remove()
             raise
         return self
+
+    def _make_node(self, node: int) -> None:
+        assert self.subnet is not None
+        prefix = self.subnet.prefixlen
+        namespace, outer = self.namespace(node), f"xmv{self.tag}n{node}"
+        _ip("netns", "add", namespace)
+        self.created.append(namespace)
+        _ip("link", "add", outer, "type", "veth", "peer", "name", INNER_IFNAME,
+            "netns", namespace)  # fmt: skip
+        _ip("link", "set", outer, "master", self.bridge, "up")
+        _ip("-n", namespace, "addr", "add", f"{self.address(node)}/{prefix}", "dev",
+            INNER_IFNAME)  # fmt: skip
+        _ip("-n", namespace, "link", "set", INNER_IFNAME, "up")
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        # a process moved here (CRIU) brings sockets bound to its old node's address
+        _ip("netns", "exec", namespace, "sh", "-c",
+            "echo 1 > /proc/sys/net/ipv4/ip_nonlocal_bind")  # fmt: skip
+
+    def add_node(self, node: int) -> None:
+        """One more node (``xmig scale --add-node``), on the same bridge."""
+        if self.subnet is None or not self.bridge:
+            raise HostSetupError("the simulated hosts were not created")
+        if node + 2 >= RANK_ADDRESS_BASE:
+            raise HostSetupError(f"simulated hosts take at most {RANK_ADDRESS_BASE - 2} nodes")
+        if self.namespace(node) in self.created:
+            raise HostSetupError(f"node {node} exists already")
+        self._make_node(node)
+        self.count = max(self.count, node + 1)
 
     def enter(self, node: int) -> Callable[[], None]:
         """A ``preexec_fn`` that moves the child into node ``node``'s network namespace."""

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import secrets
 import select
 import shlex
@@ -37,6 +38,7 @@ from xmig.jobspec import HostLaunch, JobSpec
 from xmig.launch.hosts import HostSetupError, SimulatedHosts
 from xmig.paths import job_folder, jobs_dir, parking_files
 from xmig.procs import die_with_parent, kill_pids, stop_process, wait_gone
+from xmig.protocol import Party, ProtocolError, StartNode, decode
 from xmig.state.checkpoint import lost_coordinator_folder
 from xmig.wire import (
     AuthError,
@@ -226,6 +228,11 @@ class Launcher:
         self.candidates: list[subprocess.Popen] = []
         self._leader: int | None = None  # the leadership (etcd revision) connected to
         self.agents: list[subprocess.Popen] = []
+        self._agents_lock = threading.Lock()  # an agent started for an added node, or the end
+        # nodes the coordinator asked for, started by one thread that lives as long as this
+        # launcher: a child's parent-death signal comes when the thread that made it ends
+        self._new_nodes: queue.SimpleQueue[int] | None = None
+        self.address = ""  # the coordinator's, where every agent connects
         self.client: Client | None = None
         self._ended_event = threading.Event()  # the launcher is shutting the job down
         self.started_wall = time.time()  # this run's start (``LAUNCHED_AT``)
@@ -319,37 +326,59 @@ class Launcher:
         return list(range(self.spec.all_nodes)) if self.node_rank is None else [self.node_rank]
 
     def _start_agents(self, address: str) -> None:
+        self.address = address
         for node in self.local_nodes:
-            env = self._env()
-            extra: list[str] = []
-            where = ["--coord", address]
-            if self.spec.control_plane is not None:  # etcd says which coordinator leads
-                where = ["--control-plane", self.spec.control_plane]
-            if self.spec.multi_host:
-                env[HOST_LAUNCH] = json.dumps(HostLaunch.of(self.spec).to_json())
-                extra = ["--connect-timeout", str(self.spec.agent_connect_timeout)]
-            enter = None
-            if self.hosts is not None:
-                env.update(self.hosts.environment(node))
-                enter = self.hosts.enter(node)
+            self._start_agent(node)
 
-            def prepare(enter: Any = enter) -> None:
-                die_with_parent()
-                if enter is not None:
-                    enter()
+    def _start_agent(self, node: int) -> None:
+        env = self._env()
+        extra: list[str] = []
+        where = ["--coord", self.address]
+        if self.spec.control_plane is not None:  # etcd says which coordinator leads
+            where = ["--control-plane", self.spec.control_plane]
+        if self.spec.multi_host:
+            env[HOST_LAUNCH] = json.dumps(HostLaunch.of(self.spec).to_json())
+            extra = ["--connect-timeout", str(self.spec.agent_connect_timeout)]
+        enter = None
+        if self.hosts is not None:
+            env.update(self.hosts.environment(node))
+            enter = self.hosts.enter(node)
 
-            # the node rank last: what tells the agents apart on a process list
-            cmd = [sys.executable, "-m", "xmig.agent", "--log-level", self.spec.log_level,
-                   *extra, *where, "--node-rank", str(node)]  # fmt: skip
-            self.agents.append(
-                subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=prepare,
-                )  # fmt: skip
+        def prepare(enter: Any = enter) -> None:
+            die_with_parent()
+            if enter is not None:
+                enter()
+
+        # the node rank last: what tells the agents apart on a process list
+        cmd = [sys.executable, "-m", "xmig.agent", "--log-level", self.spec.log_level,
+               *extra, *where, "--node-rank", str(node)]  # fmt: skip
+        self.agents.append(
+            subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=prepare
             )
+        )
+
+    def _add_nodes(self) -> None:
+        assert self._new_nodes is not None
+        while True:
+            self._add_node(self._new_nodes.get())
+
+    def _add_node(self, node: int) -> None:
+        """The coordinator asked for one more node: its simulated host, if the job has them,
+        and its agent, which joins the job."""
+        with self._agents_lock:
+            if self._ended_event.is_set():
+                return
+            try:
+                if self.hosts is not None:
+                    self.hosts.add_node(node)
+                self._start_agent(node)
+            except (HostSetupError, OSError) as exc:
+                print(f"xmig: node {node} could not be started: {exc}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                return
+        where = f" in {self.hosts.namespace(node)}" if self.hosts is not None else ""
+        print(f"xmig: started node {node}{where}; it joins the job", file=sys.stderr, flush=True)
 
     def _create_hosts(self) -> None:
         if not self.spec.simulate_hosts:
@@ -399,6 +428,18 @@ class Launcher:
         if msg.get("op") == "result":
             self._result = msg["summary"]
             self._result_ready.set()
+        elif msg.get("op") == StartNode.OP:
+            try:
+                order = decode(msg, Party.LAUNCHER, Party.COORDINATOR)
+            except ProtocolError as exc:
+                log.warning("warning: rejected a message from the coordinator: %s", exc)
+                return
+            assert isinstance(order, StartNode)
+            if self._new_nodes is None:
+                self._new_nodes = queue.SimpleQueue()
+                threading.Thread(target=self._add_nodes, name="xmig-add-nodes",
+                                 daemon=True).start()  # fmt: skip
+            self._new_nodes.put(order.node)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -758,7 +799,8 @@ class Launcher:
 
     def _shutdown(self) -> None:
         """Every process of the job ends, within a bound, whatever happened."""
-        self._ended_event.set()
+        with self._agents_lock:  # no node is added from now on
+            self._ended_event.set()
         if self.client is not None:
             self.client.close()
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S

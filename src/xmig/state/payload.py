@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-MODES = ("replay", "rollback", "resume")  # resume: from a checkpoint on disk
+# resume: from a checkpoint on disk; join: a rank a resize added, which starts at ``step``
+MODES = ("replay", "rollback", "resume", "join")
 
 
 class PayloadError(ValueError):
@@ -41,7 +42,7 @@ class ReplacementPayload:
     """The state of the step a recovery resumes at, and how to resume it."""
 
     step: int
-    mode: str  # replay, rollback or resume
+    mode: str  # one of MODES
     first_step: int | None
     state: dict[str, Any]  # registered name -> its state_dict()
     ddp: DdpPayload = field(default_factory=DdpPayload)

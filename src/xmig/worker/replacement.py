@@ -137,6 +137,21 @@ class Replacement:
             raise RecoveryFailed(f"the peer's state has no data stream {name!r}")
         return state, payload.step
 
+    def _joined(self, payload: ReplacementPayload, stats: Any, started: float) -> int:
+        """A rank the world grew by: its peers paused at the start of ``payload.step`` and
+        made the new world with it; nothing is replayed. Its checksum is compared with its
+        peers' after the first step (``Verify``), as after a recovery."""
+        ctx = self._ctx
+        ctx.prologue_local = False
+        for group in ctx.groups.all():
+            group.proxy.resume("normal")
+        logger.info("rank %d of %d joins at step %d: state pulled (%.2f MB in %.3f s), "
+                    "joined in %.3f s", ctx.rank, ctx.world_size, payload.step,
+                    stats.bytes / 1e6, stats.seconds, time.monotonic() - started)  # fmt: skip
+        self._verifier.expect(ctx.env.generation, payload.step)
+        ctx.send(protocol.Resumed(generation=ctx.env.generation, t=time.time()))
+        return payload.step
+
     def join(self) -> int:
         """Take the state received from a peer, match its DDP, and return the step to
         start at."""
@@ -157,6 +172,8 @@ class Replacement:
             self._check_resumed_layout(payload)
             return payload.step
         assert stats is not None
+        if payload.mode == "join":
+            return self._joined(payload, stats, started)
         groups = ctx.groups.all()
         known = {g.name for g in groups}
         for name, signatures in (payload.signatures or {}).items():

@@ -2,7 +2,9 @@
 in flight), a rank that leaves ends; a rank that stays takes its new rank, makes the default
 process group again at the new size (c10d keeps a group's rank and size in the group itself,
 and DDP's reducer divides by the size it read when it was made), builds its DDP's reducer
-over it with the bucket layout it had, and moves its data streams to its new share."""
+over it with the bucket layout it had, and moves its data streams to its new share. When the
+world grows, the new ranks (started meanwhile, ``worker/replacement.py``) make the new world
+with them, and each is served the state of the pause step's start by one of them."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from torch.distributed import distributed_c10d as c10d
 
 from xmig import protocol
 from xmig.proxy import ProxyProcessGroup
+from xmig.state import ReplacementPayload
 from xmig.state import ddp as ddp_state
+from xmig.worker import pull
 from xmig.worker.backend import GroupFactory, init_process_group
 from xmig.worker.context import WorkerContext
 from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, exit_now
 from xmig.worker.groups import WORLD, Groups
 from xmig.worker.layout import DdpLayout
+from xmig.worker.verify import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +37,12 @@ _RETIRED: list[ProxyProcessGroup] = []
 
 
 class Resizer:
-    def __init__(self, ctx: WorkerContext, layout: DdpLayout, make_group: GroupFactory,
+    def __init__(self, ctx: WorkerContext, layout: DdpLayout, verifier: Verifier,
+                 make_group: GroupFactory,
                  on_world: Callable[[ProxyProcessGroup], None]) -> None:  # fmt: skip
         self._ctx = ctx
         self._layout = layout
+        self._verifier = verifier
         self._make_group = make_group
         self._on_world = on_world  # the Session hears of its new default group
 
@@ -81,8 +88,24 @@ class Resizer:
         logger.info("rank %d is rank %d of %d from step %d (was of %d): rebuilt in %.3f s",
                     old_rank, new_rank, order.world_size, order.step, old_world,
                     took)  # fmt: skip
+        targets = order.served_by(new_rank)
+        if targets:  # the state as of now: the pause step's start, at the new size
+            report = pull.serve(ctx, order.generation, targets,
+                                lambda _target: self._joining_payload(order.step))  # fmt: skip
+            logger.info("rank %d served ranks %s the state of step %d: %.2f MB in %.3f s",
+                        new_rank, targets, order.step, report["bytes"] / 1e6,
+                        report["seconds"])  # fmt: skip
+        if order.world_size > old_world:  # the new ranks' parameters are checked against ours
+            self._verifier.expect(order.generation, order.step)
         self._on_world(proxy)
         ctx.send(protocol.Resumed(generation=order.generation, t=time.time()))
+
+    def _joining_payload(self, step: int) -> ReplacementPayload:
+        """What a rank the world grows by starts from: the state of ``step``'s start."""
+        ctx = self._ctx
+        return ReplacementPayload(step=step, mode="join", first_step=ctx.first_step,
+                                  state=ctx.recovery_state(),
+                                  ddp=self._layout.outgoing(step, False))  # fmt: skip
 
     def _leave(self, order: protocol.Resize) -> None:
         """This rank is not in the new world: it ends, nothing lost (its peers hold the same
