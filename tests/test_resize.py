@@ -19,9 +19,9 @@ STEPS = 8
 EXPECTED_W = -sum(6 * step + 2.5 for step in range(STEPS))  # each step: its batch's mean
 
 
-def exact_job(tmp_path, *extra, steps=STEPS, sleep=0.0):
+def exact_job(tmp_path, *extra, steps=STEPS, sleep=0.0, script=()):
     return ["--nproc-per-node", "3", *FAST, *extra, str(EXACT), "--steps", str(steps),
-            "--out", str(tmp_path / "w.json"), "--step-sleep", str(sleep)]  # fmt: skip
+            "--out", str(tmp_path / "w.json"), "--step-sleep", str(sleep), *script]  # fmt: skip
 
 
 def final_weight(tmp_path):
@@ -70,6 +70,20 @@ def test_a_planned_grow_starts_a_rank_that_pulls_the_state_and_goes_on_exactly(t
     (left,) = summary["left_ranks"]
     assert left["pid"] not in pids["2"]
     assert "grown from 2 to 3 at step 6" in result.output
+
+
+def test_a_grow_whose_new_rank_does_not_start_goes_on_at_the_old_size(tmp_path):
+    result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=3", "--inject",
+                           "resize:world=3:step=6", sleep=0.05,
+                           script=("--fail-new-rank", "2")), tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 2}
+    summary = result.summary
+    assert summary["world_sizes"] == [[0, 3], [3, 2]]
+    grow = summary["resizes"][1]
+    assert "new rank(s) [2] did not start: exit code 3" in grow["refused"]
+    assert len(summary["worker_pids"]["0"]) == len(summary["worker_pids"]["1"]) == 1
+    assert "the world stays at 2 ranks" in result.output
 
 
 def test_scale_by_request_shrinks_a_running_job(tmp_path):
@@ -184,7 +198,7 @@ def test_a_node_added_after_a_shrink_grows_the_world_as_planned_resizes_would(
     assert (len(pids["0"]), len(pids["1"]), len(pids["2"])) == (1, 2, 1)
     assert summary["worker_nodes"] == {"0": 0, "1": 2, "2": 3}
     assert summary["unfired_faults"] == []
-    expected = fault_free_sha256(shards_job("--inject", "resize:world=2:step=4", "--inject",
-                                            f"resize:world=3:step={step}",
-                                            script=("--steps", "12")), tmp_path_factory)  # fmt: skip
+    planned = shards_job("--inject", "resize:world=2:step=4", "--inject",
+                         f"resize:world=3:step={step}", script=("--steps", "12"))  # fmt: skip
+    expected = fault_free_sha256(planned, tmp_path_factory)
     assert summary["final_params_sha256"] == expected, "not the planned resizes' run"

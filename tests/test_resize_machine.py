@@ -12,6 +12,7 @@ from xmig.faults import parse_fault
 from xmig.protocol import (
     Abort,
     AgentHello,
+    EndRank,
     Fault,
     FaultRecord,
     Park,
@@ -31,6 +32,7 @@ from xmig.protocol import (
     StateAnnounced,
     StateSent,
     WorkerDone,
+    WorkerJoined,
     WorkerStarted,
 )
 
@@ -261,27 +263,19 @@ def test_a_larger_world_starts_new_ranks_on_an_idle_node_once_every_rank_paused(
     assert "ranks [3] start on node(s) [3]" in orders[-1].value["resize"]
     assert not sent(orders, Respawn)  # nothing starts before every rank has paused
     orders = paused(job)
-    # the new rank starts first (the long pole), then every rank hears of the new world
-    assert sent(orders, Respawn) == [
-        (
-            3,
-            Respawn(
-                rank=3,
-                generation=1,
-                local_rank=0,
-                attempt=1,
-                fired=[],
-                world_size=4,
-                launched_as=-1,
-            ),
-        )
-    ]
+    # the new rank starts (the long pole) while every other rank waits at the pause
+    respawn = Respawn(rank=3, generation=1, local_rank=0, attempt=1, fired=[], world_size=4,
+                      launched_as=-1)  # fmt: skip
+    assert sent(orders, Respawn) == [(3, respawn)]
+    assert job.resizing.phase is ResizePhase.STARTING and not sent(orders, Resize)
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.2)
+    assert job.members[3].node == 3 and job.worker_pids[3] == [303]
+    # once it has joined (xmig.init()), every rank hears of the new world
+    orders = job.on(WorkerJoined(rank=3, pid=303, attempt=1, t=T0), T0 + 0.25)
     assert sent(orders, Resize) == [
         ("all", Resize(generation=1, step=4, world_size=4, ranks=[0, 1, 2], sources={"3": 0}))
     ]
     assert job.world_size == 4 and job.launched_as[3] == -1
-    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.2)
-    assert job.members[3].node == 3 and job.worker_pids[3] == [303]
     relayed = job.on(StateSent(generation=1, target=3, digest="ab", rank=0), T0 + 0.3)
     assert sent(relayed, StateAnnounced) == [
         ("all", StateAnnounced(generation=1, rank=3, source=0, digest="ab"))
@@ -294,6 +288,38 @@ def test_a_larger_world_starts_new_ranks_on_an_idle_node_once_every_rank_paused(
     assert record["what"] == "grown from 3 to 4 at step 4 (planned)"
     assert record["added"] == {"3": 3} and record["pulled"] == {"3": 0}
     assert any("ranks [3] started on node 3" in line for line in said(orders))
+
+
+def test_a_new_rank_that_does_not_start_leaves_the_world_as_it_was():
+    job = running_job(nnodes=3, spare_nodes=1)
+    job.on(ScaleRequest(world_size=4), T0)
+    paused(job)
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.2)
+    orders = job.on(Fault(record=FaultRecord(
+        rank=3, node=3, pid=303, attempt=1, kind="exit", detail="exit code 1", step=None,
+        t_fault=T0 + 0.3, t_detected=T0 + 0.3, fault_time_source="detection",
+        detected_after_s=0.0)), T0 + 0.3)  # fmt: skip
+    assert job.resizing.phase is ResizePhase.REFUSED and not sent(orders, Resize)
+    # its process is ended, and the paused ranks go on on communicators of a generation
+    # the new rank never met under
+    assert sent(orders, EndRank) == [(3, EndRank(rank=3, pid=303))]
+    assert sent(orders, Resume) == [("all", Resume(generation=1, communicators=2))]
+    assert sorted(job.members) == [0, 1, 2] and 3 not in job.worker_pids
+    assert job.left_ranks[-1]["rank"] == 3 and job.left_ranks[-1]["joined"] is False
+    for rank in range(3):
+        orders = job.on(Resumed(generation=1, rank=rank), T0 + 0.4)
+    assert job.state is S.RUNNING and job.world_size == 3
+    assert "new rank(s) [3] did not start: exit code 1" in job.resizes[0]["refused"]
+
+
+def test_a_new_rank_that_does_not_join_in_time_is_given_up():
+    job = running_job(nnodes=3, spare_nodes=1, recovery_timeout=5.0)
+    job.on(ScaleRequest(world_size=4), T0)
+    paused(job)
+    orders = job.on(Tick(), T0 + 6.0)
+    assert job.resizing.phase is ResizePhase.REFUSED
+    assert sent(orders, Resume) == [("all", Resume(generation=1, communicators=2))]
+    assert "did not join within 5 s" in job.resizing.refusals[3]
 
 
 def test_a_refused_grow_starts_nothing():
@@ -328,6 +354,7 @@ def test_an_added_node_grows_a_shrunk_world_back_to_its_launch_size():
     assert job.resizing.plan.added == {2: 3}
     orders = paused(job, step=6, ranks=(0, 1), generation=2)
     assert sent(orders, Respawn)[0][0] == 3
+    orders = job.on(WorkerJoined(rank=2, pid=303, attempt=1, t=T0), T0 + 3.5)
     assert sent(orders, Resize) == [
         ("all", Resize(generation=2, step=6, world_size=3, ranks=[0, 1], sources={"2": 0}))
     ]

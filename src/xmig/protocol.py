@@ -859,7 +859,12 @@ class Resize(Message):
 @message("resume", C, A, relay=Relay.ALL)
 @wire
 class Resume(Message):
+    """Every paused rank goes on at the old size, on communicators of ``communicators``'s
+    generation (0: the pause's own; a later one where ranks that were started for a grow
+    given up may still meet under the pause's)."""
+
     generation: int
+    communicators: int = 0
 
 
 @message("store_restarted", C, A, relay=Relay.ALL)

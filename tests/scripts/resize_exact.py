@@ -7,10 +7,14 @@ takes w down by the mean of its samples, and a run that skips, repeats or miswei
 or averages over the wrong number of ranks after a resize, ends with another weight.
 
 ``--out FILE``: rank 0 writes the final weight and the world size it ended at.
+``--fail-new-rank R``: a process started later as rank R (a grow's new rank) exits before
+it joins, as one on a node that cannot run the job would.
 """
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -36,7 +40,11 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--fail-new-rank", type=int, default=None)
     args = parser.parse_args()
+    late = os.environ.get("XMIG_ATTEMPT", "0") != "0"
+    if late and args.fail_new_rank == int(os.environ.get("RANK", "-1")):
+        sys.exit(3)
 
     session = xmig.init(seed=0)
     model = torch.nn.Linear(1, 1, bias=False)

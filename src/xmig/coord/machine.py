@@ -26,6 +26,7 @@ from xmig.coord.migration import (
 )
 from xmig.coord.orders import (
     AgentLost,
+    DropRanks,
     Finish,
     GiveUp,
     Note,
@@ -85,6 +86,7 @@ from xmig.protocol import (
     ReplayMismatched,
     Respawn,
     Restored,
+    Resume,
     Resumed,
     ScaleRequest,
     Spares,
@@ -159,7 +161,7 @@ REJOIN_EVENTS = (AgentHello, AgentLost, Tick, StatusRequest, StopJob)
 RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
 MIGRATION_EVENTS = (Prepared, Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
 CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
-RESIZE_EVENTS = (Parked, Paused, PauseRefused, Resumed, StateSent)
+RESIZE_EVENTS = (Parked, Paused, PauseRefused, Resumed, StateSent, WorkerJoined)
 
 
 class IllegalTransition(AssertionError):
@@ -340,6 +342,8 @@ class Job:
                 self._renumber(order)
             elif isinstance(order, StartRanks):
                 out += self._start_ranks(order)
+            elif isinstance(order, DropRanks):
+                out += self._drop_ranks(order)
             else:
                 out.append(order)
         return out
@@ -610,6 +614,14 @@ class Job:
                     Say(f"fault during recovery: {summary.describe(record)}"),
                     *self._follow(self.recovery.fail("a second fault hit during recovery", now),
                                   now)]  # fmt: skip
+        resizing = self.resizing
+        if (self.state is S.RESIZING and resizing is not None
+                and resizing.phase is ResizePhase.STARTING
+                and set(record.lost_ranks) <= set(resizing.plan.added)):  # fmt: skip
+            # a rank the grow started failed before it joined: the world stays as it is
+            why = f"did not start: {record.detail}"
+            return [Note("fault", dataclasses.asdict(record)),
+                    *self._follow(resizing.not_started(record.lost_ranks, why, now), now)]
         if self.state in (S.RESIZING, S.MIGRATING):
             moving = self.resizing if self.state is S.RESIZING else self.migration
             what = "resize" if self.state is S.RESIZING else "migration"
@@ -1100,6 +1112,32 @@ class Job:
         if isinstance(plan, Refusal):
             return [Say(f"node {node} stays a spare: {plan.reason}")]
         return self._begin_resize(plan, f"node {node} joined", now)[1]
+
+    def _drop_ranks(self, order: DropRanks) -> list[Order]:
+        """A grow given up before its new ranks joined: their processes end, the job forgets
+        them (``left_ranks`` keeps them), and the paused ranks go on at the old size on
+        communicators of a new generation (a new rank that did join may be waiting to meet
+        under the pause's)."""
+        orders: list[Order] = [Say(f"the world stays at {self.world_size} ranks: {order.why}")]
+        for rank in order.ranks:
+            member = self.members.pop(rank, None)
+            pids = self.worker_pids.pop(rank, [])
+            if member is not None:
+                self.retiring.add(member.pid)
+                if member.node in self.agents:
+                    orders.append(ToNode(member.node, EndRank(rank=rank, pid=member.pid)))
+                self.left_ranks.append({"rank": rank, "pid": member.pid, "node": member.node,
+                                        "pids": pids, "world_size": self.world_size,
+                                        "fired": [], "joined": False})  # fmt: skip
+            for table in (self.progress, self.local_ranks, self.launched_as, self.done):
+                table.pop(rank, None)
+            self.joined.discard(rank)
+        self.generation += 1
+        return [
+            *orders,
+            Note("generation", {"generation": self.generation, "why": "grow given up"}),
+            ToAll(Resume(generation=order.generation, communicators=self.generation)),
+        ]
 
     def _start_ranks(self, order: StartRanks) -> list[Order]:
         """The ranks a grow adds: each started by its node's agent as a process that pulls

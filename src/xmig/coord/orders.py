@@ -118,6 +118,17 @@ class StartRanks:
 
 
 @dataclass(frozen=True)
+class DropRanks:
+    """A grow given up before its new ranks joined: the job ends their processes and
+    forgets them, and resumes the paused ranks of ``generation`` at the old size (on
+    communicators of a later generation than the one the new ranks met under)."""
+
+    generation: int
+    ranks: list[int]
+    why: str
+
+
+@dataclass(frozen=True)
 class ToLaunchers:
     """Push ``msg`` to every launcher that waits for the job's outcome."""
 
@@ -158,5 +169,6 @@ Order = (
     | Retry
     | Renumber
     | StartRanks
+    | DropRanks
     | ToLaunchers
 )

@@ -14,9 +14,11 @@ the step before (whose collectives had ended), the next, with the state pulled f
 as a rollback's does. The resize goes on from the pause as a planned one does: so it ends
 as the planned resize at that step.
 
-A grow starts its new ranks once every rank has paused (a resize refused there needs none);
-each new rank makes the new world with the others and is served the state of the pause
-step's start by one of them, then says ``Resumed`` like every other rank.
+A grow starts its new ranks once every rank has paused (a resize refused there needs none),
+and tells the paused ranks of the new world once each new rank has joined (``xmig.init()``):
+one that does not start, or does not join in time, leaves every rank going on at the old
+size, nothing lost. Each new rank makes the new world with the others and is served the
+state of the pause step's start by one of them, then says ``Resumed`` like every other.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from xmig.coord.orders import GiveUp, Note, Order, Renumber, Say, Settled, StartRanks, ToAll
+from xmig.coord.orders import (
+    DropRanks,
+    GiveUp,
+    Note,
+    Order,
+    Renumber,
+    Say,
+    Settled,
+    StartRanks,
+    ToAll,
+)
 from xmig.coord.recovery import RecoveryImpossible, pull_sources
 from xmig.coord.resize import ResizePlan
 from xmig.protocol import (
@@ -42,12 +54,14 @@ from xmig.protocol import (
     StateAnnounced,
     StateSent,
     WorkerDone,
+    WorkerJoined,
 )
 
 
 class ResizePhase(enum.Enum):
     PARKING = "parking"  # a shrink: the survivors park where the fault found them
     PAUSING = "pausing"  # every rank pauses at the start of ``step``
+    STARTING = "starting"  # a grow: every rank paused, the new ranks start and join
     RESIZING = "resizing"  # the ranks that stay build the new world
     DONE = "done"
     REFUSED = "refused"  # a rank's world cannot change size: it resumed at the old one
@@ -58,8 +72,10 @@ class ResizePhase(enum.Enum):
 # ResizePhase -> the phases it may go to
 RESIZE_TRANSITIONS: dict[ResizePhase, set[ResizePhase]] = {
     ResizePhase.PARKING: {ResizePhase.PAUSING, ResizePhase.FAILED},
-    ResizePhase.PAUSING: {ResizePhase.RESIZING, ResizePhase.REFUSED, ResizePhase.DROPPED,
-                          ResizePhase.FAILED},
+    ResizePhase.PAUSING: {ResizePhase.RESIZING, ResizePhase.STARTING, ResizePhase.REFUSED,
+                          ResizePhase.DROPPED, ResizePhase.FAILED},
+    # a new rank that does not start: every rank resumes at the old size
+    ResizePhase.STARTING: {ResizePhase.RESIZING, ResizePhase.REFUSED, ResizePhase.FAILED},
     ResizePhase.RESIZING: {ResizePhase.DONE, ResizePhase.FAILED},
     ResizePhase.REFUSED: {ResizePhase.DONE, ResizePhase.FAILED},  # once every rank resumed
     ResizePhase.DONE: set(),
@@ -91,6 +107,7 @@ class Resizing:
     paused: dict[int, int] = field(default_factory=dict)
     refusals: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot resize
     resumed: set[int] = field(default_factory=set)
+    joined: set[int] = field(default_factory=set)  # a grow: the new ranks that joined
     times: dict[str, float] = field(default_factory=dict)
     stop_s: float = 0.0  # the longest any rank took from its pause boundary to its report
 
@@ -135,8 +152,18 @@ class Resizing:
         if phase in ENDED:
             return []
         if now > self.deadline:
+            if phase is ResizePhase.STARTING:
+                waiting = sorted(set(self.plan.added) - self.joined)
+                return self.not_started(waiting, "did not join within "
+                                        f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
             return self.fail(f"the world was not resized within "
                              f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
+        if isinstance(event, WorkerJoined):  # (a report without a generation)
+            if phase is ResizePhase.STARTING and event.rank in self.plan.added:
+                self.joined.add(event.rank)
+                if self.joined >= set(self.plan.added):
+                    return self._resize(now)
+            return []
         if isinstance(event, WorkerDone):
             if phase is ResizePhase.PAUSING and not self.paused:
                 return [*self._enter(ResizePhase.DROPPED, now),
@@ -175,26 +202,12 @@ class Resizing:
                 why = min(self.refusals.items())[1]
                 return [*self._enter(ResizePhase.REFUSED, now, why=why),
                         ToAll(Resume(generation=self.generation))]  # fmt: skip
-            plan = self.plan
-            # each new rank is served by a rank that stays, in turn (several serve at once)
-            servers = sorted(plan.ranks.values())
-            self.sources = {str(rank): servers[i % len(servers)]
-                            for i, rank in enumerate(sorted(plan.added))}  # fmt: skip
-            order = Resize(
-                generation=self.generation,
-                step=self.step,
-                world_size=plan.new_world,
-                ranks=rank_map(plan),
-                sources=dict(self.sources),
-            )
-            # the job counts the new world from now: the ranks' next reports name new ranks
-            orders = [
-                *self._enter(ResizePhase.RESIZING, now),
-                Renumber({**plan.ranks, **{r: r for r in plan.added}}, plan.new_world),
-            ]
-            if plan.added:  # their start is the long pole: ordered first
-                orders.append(StartRanks(self.generation, dict(plan.added), plan.new_world))
-            return [*orders, ToAll(order)]
+            if self.plan.added:  # their start is the long pole: the paused ranks wait
+                return [
+                    *self._enter(ResizePhase.STARTING, now),
+                    StartRanks(self.generation, dict(self.plan.added), self.plan.new_world),
+                ]
+            return self._resize(now)
         if isinstance(event, Resumed) and phase in (ResizePhase.RESIZING, ResizePhase.REFUSED):
             self.resumed.add(event.rank)
             size = self.plan.new_world if phase is ResizePhase.RESIZING else self.plan.old_world
@@ -205,6 +218,39 @@ class Resizing:
             orders = self._enter(ResizePhase.DONE, now, record=record)
             return [*orders, Settled(record, describe_resize(record))]
         return []
+
+    def not_started(self, ranks: list[int], why: str, now: float) -> list[Order]:
+        """New ranks of a grow that did not start or join: every rank goes on at the old
+        size (the job ends the new ranks' processes)."""
+        if self.phase is not ResizePhase.STARTING:
+            return self.fail(f"new rank(s) {ranks} {why}", now)
+        reason = f"new rank(s) {ranks} {why}"
+        self.refusals[ranks[0]] = reason
+        return [
+            *self._enter(ResizePhase.REFUSED, now, why=reason),
+            DropRanks(self.generation, sorted(self.plan.added), reason),
+        ]
+
+    def _resize(self, now: float) -> list[Order]:
+        """Every rank paused (and, for a grow, every new rank joined): the new world."""
+        plan = self.plan
+        if plan.added:  # each served by a rank that stays, in turn (several serve at once)
+            servers = sorted(plan.ranks.values())
+            self.sources = {str(rank): servers[i % len(servers)]
+                            for i, rank in enumerate(sorted(plan.added))}  # fmt: skip
+        order = Resize(
+            generation=self.generation,
+            step=self.step,
+            world_size=plan.new_world,
+            ranks=rank_map(plan),
+            sources=dict(self.sources) if plan.added else {},
+        )
+        # the job counts the new world from now: the ranks' next reports name new ranks
+        return [
+            *self._enter(ResizePhase.RESIZING, now),
+            Renumber({**plan.ranks, **{r: r for r in plan.added}}, plan.new_world),
+            ToAll(order),
+        ]
 
     def _parked(self, now: float) -> list[Order]:
         """Every survivor of a shrink is parked: each finishes its step without an update

@@ -214,9 +214,10 @@ class Migration:
                 self.on_resize(order)  # a rank that leaves ends in it
                 break
             elif isinstance(order, protocol.Resume):
+                built = order.communicators or generation
                 for group in ctx.groups.all():  # the moved rank's connections are closed
                     group.proxy.switch(ctx.comms.communicator(
-                        group.name, generation, group.proxy.communicator.rank,
+                        group.name, built, group.proxy.communicator.rank,
                         group.proxy.communicator.size))  # fmt: skip
                 ctx.send(protocol.Resumed(generation=generation, t=time.time()))
                 break
