@@ -620,8 +620,10 @@ class Job:
                 and set(record.lost_ranks) <= set(resizing.plan.added)):  # fmt: skip
             # a rank the grow started failed before it joined: the world stays as it is
             why = f"did not start: {record.detail}"
-            return [Note("fault", dataclasses.asdict(record)),
-                    *self._follow(resizing.not_started(record.lost_ranks, why, now), now)]
+            return [
+                Note("fault", dataclasses.asdict(record)),
+                *self._follow(resizing.not_started(record.lost_ranks, why, now), now),
+            ]
         if self.state in (S.RESIZING, S.MIGRATING):
             moving = self.resizing if self.state is S.RESIZING else self.migration
             what = "resize" if self.state is S.RESIZING else "migration"
