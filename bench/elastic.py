@@ -1,6 +1,6 @@
-"""What changing the world size costs: xmig's resize at a step boundary, and its shrink
-when a lost node has no spare, against a full restart of the job at the new size, paired in
-one run (ABBA).
+"""What changing the world size costs: xmig's resize at a step boundary, its shrink when a
+lost node has no spare, and its grow back, against a full restart of the job at the new size,
+paired in one run (ABBA).
 
 - ``resize``: a job of ``--world`` ranks with ``--inject resize:world=N:step=S``; the time is
   the resize record's downtime (from the pause boundary to every rank of the new world
@@ -11,10 +11,16 @@ one run (ABBA).
   from the fault to every rank of the new world resumed (the survivors park, roll the step
   back, pause at its start and resize). Each shrink's final parameters are compared with the
   planned resize's at the same step: they must be the same, bit for bit.
+- ``grow``: the job resized to N at step S and back to ``--world`` ranks at step S+3; the
+  time is the grow's downtime, from the pause boundary to every rank resumed: the new rank's
+  process starts on the idle node (``--hot-spares 0``), joins, makes the new world with the
+  others and pulls the state from one of them. ``grow-spare``: the same with a hot spare on
+  every node (``--hot-spares 1``, xmig's default), which the new rank starts from.
 - ``restart``: what a job without resizing does instead: a new job of N ranks is launched;
   the time is from the launch to the start of its first step on its slowest rank (process
   start, imports, the process group, the model and DDP). Loading a checkpoint, which a real
-  restart also needs, is not counted: the baseline is a lower bound.
+  restart also needs, is not counted: the baseline is a lower bound. ``restart-full``: the
+  same at ``--world`` ranks, the baseline of a grow.
 
 The model is an MLP (``--hidden``, ``--layers``) trained on ``session.shards`` (CPU, gloo),
 one rank per node (``--nnodes W --nproc-per-node 1``).
@@ -109,13 +115,26 @@ def shrink_once(folder: Path, args: argparse.Namespace) -> dict:
             "sha256": summary["final_params_sha256"]}  # fmt: skip
 
 
-def restart_once(folder: Path, args: argparse.Namespace) -> dict:
+def grow_once(folder: Path, args: argparse.Namespace, spares: int = 0) -> dict:
+    back = args.step + 3
+    inject = ["--hot-spares", str(spares), "--inject", f"resize:world={args.to}:step={args.step}",
+              "--inject", f"resize:world={args.world}:step={back}"]  # fmt: skip
+    summary = xmig_run(folder, args.world, inject, script_args(args, back + 3))
+    _, record = summary["resizes"]
+    if record["step"] != back or record["new_world"] != args.world:
+        raise RuntimeError(f"the grow did not happen as asked: {record}")
+    return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
+            "phases": record["phases"], "replicas_equal": record.get("replicas_equal"),
+            "sha256": summary["final_params_sha256"]}  # fmt: skip
+
+
+def restart_once(folder: Path, args: argparse.Namespace, world: int | None = None) -> dict:
     marks = folder / "marks"
     marks.mkdir(exist_ok=True)
     for old in marks.iterdir():
         old.unlink()
     launched = time.time()
-    xmig_run(folder, args.to, [], [*script_args(args, 2), "--marks", str(marks)])
+    xmig_run(folder, world or args.to, [], [*script_args(args, 2), "--marks", str(marks)])
     first = max(float(p.read_text()) for p in marks.iterdir())
     return {"downtime_s": round(first - launched, 4)}
 
@@ -134,28 +153,36 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    runs = {"resize": resize_once, "shrink": shrink_once, "restart": restart_once}
+    runs = {
+        "resize": resize_once,
+        "shrink": shrink_once,
+        "grow": grow_once,
+        "grow-spare": lambda folder, args: grow_once(folder, args, spares=1),
+        "restart": restart_once,
+        "restart-full": lambda folder, args: restart_once(folder, args, world=args.world),
+    }
+    order = list(runs)
     results: dict[str, list[dict]] = {kind: [] for kind in runs}
     with tempfile.TemporaryDirectory(prefix="xmig-elastic-") as tmp:
         folder = Path(tmp)
         (folder / "job.py").write_text(SCRIPT)
         os.environ.setdefault("XMIG_JOBS_DIR", str(folder / "jobs"))
         for _ in range(args.rounds):
-            for kind in ("resize", "shrink", "restart", "restart", "shrink", "resize"):
+            for kind in [*order, *reversed(order)]:
                 result = runs[kind](folder, args)
                 results[kind].append(result)
                 print(f"{kind}: {result}", flush=True)
-    resize = [r["downtime_s"] for r in results["resize"]]
-    shrink = [r["downtime_s"] for r in results["shrink"]]
-    restart = [r["downtime_s"] for r in results["restart"]]
+    times = {kind: [r["downtime_s"] for r in found] for kind, found in results.items()}
+    resize, shrink, restart = times["resize"], times["shrink"], times["restart"]
 
-    def ratios(ours: list[float]) -> dict[str, float]:
-        paired = sorted(b / a for a, b in zip(ours, restart, strict=True))
+    def ratios(ours: list[float], baseline: list[float] = restart) -> dict[str, float]:
+        paired = sorted(b / a for a, b in zip(ours, baseline, strict=True))
         return {"median": statistics.median(paired), "min": paired[0], "max": paired[-1]}
 
     # a shrink at the planned resize's step must end with its parameters, bit for bit
     planned = {r["sha256"] for r in results["resize"]}
     identical = [r["sha256"] in planned for r in results["shrink"] if r["step"] == args.step]
+    grown = {r["sha256"] for r in results["grow"] + results["grow-spare"]}
     report = {
         "world": args.world, "to": args.to, "step": args.step,
         "params": args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * 8 + 8,
@@ -169,6 +196,16 @@ def main() -> None:
         "median_restart_s": statistics.median(restart),
         "restart_over_resize": ratios(resize),
         "restart_over_shrink": ratios(shrink),
+        "grow_downtime_s": times["grow"], "grow_spare_downtime_s": times["grow-spare"],
+        "restart_full_to_first_step_s": times["restart-full"],
+        "median_grow_s": statistics.median(times["grow"]),
+        "median_grow_spare_s": statistics.median(times["grow-spare"]),
+        "median_restart_full_s": statistics.median(times["restart-full"]),
+        "restart_full_over_grow": ratios(times["grow"], times["restart-full"]),
+        "restart_full_over_grow_spare": ratios(times["grow-spare"], times["restart-full"]),
+        "grows_deterministic": len(grown) == 1,
+        "grows_replicas_equal": all(r["replicas_equal"] is True
+                                    for r in results["grow"] + results["grow-spare"]),
         "raw": results,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1))

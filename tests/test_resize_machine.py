@@ -256,20 +256,20 @@ def test_without_shrink_a_lost_node_stops_the_job_as_before():
 # ---- a grow: new ranks on an idle node ------------------------------------------------------
 
 
-def test_a_larger_world_starts_new_ranks_on_an_idle_node_once_every_rank_paused():
+def test_a_larger_world_starts_new_ranks_on_an_idle_node_and_resizes_once_all_are_there():
     job = running_job(nnodes=3, spare_nodes=1)
     orders = job.on(ScaleRequest(world_size=4), T0)
     assert sent(orders, Pause) == [("all", Pause(generation=1, step=4))]
     assert "ranks [3] start on node(s) [3]" in orders[-1].value["resize"]
-    assert not sent(orders, Respawn)  # nothing starts before every rank has paused
-    orders = paused(job)
-    # the new rank starts (the long pole) while every other rank waits at the pause
+    # the new rank starts at once (the long pole) while the others go on to the pause
     respawn = Respawn(rank=3, generation=1, local_rank=0, attempt=1, fired=[], world_size=4,
                       launched_as=-1)  # fmt: skip
     assert sent(orders, Respawn) == [(3, respawn)]
-    assert job.resizing.phase is ResizePhase.STARTING and not sent(orders, Resize)
-    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.2)
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.05)
     assert job.members[3].node == 3 and job.worker_pids[3] == [303]
+    orders = paused(job)
+    # every rank paused, the new one not there yet: they wait for it
+    assert job.resizing.phase is ResizePhase.STARTING and not sent(orders, Resize)
     # once it has joined (xmig.init()), every rank hears of the new world
     orders = job.on(WorkerJoined(rank=3, pid=303, attempt=1, t=T0), T0 + 0.25)
     assert sent(orders, Resize) == [
@@ -312,6 +312,39 @@ def test_a_new_rank_that_does_not_start_leaves_the_world_as_it_was():
     assert "new rank(s) [3] did not start: exit code 1" in job.resizes[0]["refused"]
 
 
+def test_a_new_rank_that_fails_before_the_pause_leaves_the_world_as_it_was_once_paused():
+    job = running_job(nnodes=3, spare_nodes=1)
+    job.on(ScaleRequest(world_size=4), T0)
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.05)
+    orders = job.on(Fault(record=FaultRecord(
+        rank=3, node=3, pid=303, attempt=1, kind="exit", detail="exit code 1", step=None,
+        t_fault=T0 + 0.06, t_detected=T0 + 0.06, fault_time_source="detection",
+        detected_after_s=0.0)), T0 + 0.06)  # fmt: skip
+    assert job.resizing.phase is ResizePhase.PAUSING and not sent(orders, Resume)
+    orders = paused(job)
+    assert sent(orders, Resume) == [("all", Resume(generation=1, communicators=2))]
+    assert "did not start" in job.resizing.refusals[3]
+
+
+def test_a_grow_refused_at_the_pause_ends_its_new_ranks_first():
+    job = running_job(nnodes=3, spare_nodes=1)
+    job.on(ScaleRequest(world_size=4), T0)
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.05)
+    job.on(WorkerJoined(rank=3, pid=303, attempt=1, t=T0), T0 + 0.06)
+    orders = paused(job, why="the data stream 'data' is drawn through session.batches()")
+    assert sent(orders, EndRank) == [(3, EndRank(rank=3, pid=303))]
+    assert sent(orders, Resume) == [("all", Resume(generation=1, communicators=2))]
+
+
+def test_a_grow_the_job_outran_ends_its_new_ranks():
+    job = running_job(nnodes=3, spare_nodes=1)
+    job.on(ScaleRequest(world_size=4), T0)
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.05)
+    orders = job.on(WorkerDone(rank=0, steps=4, params_sha256=None, checksum=None), T0 + 0.1)
+    assert job.state is S.RUNNING and sent(orders, EndRank) and not sent(orders, Resume)
+    assert 3 not in job.members
+
+
 def test_a_new_rank_that_does_not_join_in_time_is_given_up():
     job = running_job(nnodes=3, spare_nodes=1, recovery_timeout=5.0)
     job.on(ScaleRequest(world_size=4), T0)
@@ -320,14 +353,6 @@ def test_a_new_rank_that_does_not_join_in_time_is_given_up():
     assert job.resizing.phase is ResizePhase.REFUSED
     assert sent(orders, Resume) == [("all", Resume(generation=1, communicators=2))]
     assert "did not join within 5 s" in job.resizing.refusals[3]
-
-
-def test_a_refused_grow_starts_nothing():
-    job = running_job(nnodes=3, spare_nodes=1)
-    job.on(ScaleRequest(world_size=4), T0)
-    orders = paused(job, why="the data stream 'data' is drawn through session.batches()")
-    assert not sent(orders, Respawn) and sent(orders, Resume)
-    assert sorted(job.members) == [0, 1, 2]
 
 
 def shrunk_job(**fields):
@@ -352,9 +377,10 @@ def test_an_added_node_grows_a_shrunk_world_back_to_its_launch_size():
     orders = job.on(AgentHello(node=3, pid=93, netns=None), T0 + 3)
     assert sent(orders, Pause) == [("all", Pause(generation=2, step=6))]
     assert job.resizing.plan.added == {2: 3}
-    orders = paused(job, step=6, ranks=(0, 1), generation=2)
     assert sent(orders, Respawn)[0][0] == 3
-    orders = job.on(WorkerJoined(rank=2, pid=303, attempt=1, t=T0), T0 + 3.5)
+    job.on(WorkerJoined(rank=2, pid=303, attempt=1, t=T0), T0 + 3.2)
+    # the new rank joined before the others paused: they resize as soon as they have
+    orders = paused(job, step=6, ranks=(0, 1), generation=2)
     assert sent(orders, Resize) == [
         ("all", Resize(generation=2, step=6, world_size=3, ranks=[0, 1], sources={"2": 0}))
     ]

@@ -369,11 +369,12 @@ def test_a_survivor_parked_after_its_update_does_not_cross_the_boundary_before_t
 # ---- a migration's pause orders ----------------------------------------------------------------
 
 
-def _migration(objects=None, job_id="j"):
+def _migration(objects=None, job_id="j", generation=0):
     sent = []
     orders, _, _ = _orders(rank=0)
     ctx = SimpleNamespace(send=sent.append, orders=orders, rank=0, device=torch.device("cpu"),
-                          env=SimpleNamespace(job_id=job_id, recovery_timeout=10.0),
+                          env=SimpleNamespace(job_id=job_id, recovery_timeout=10.0,
+                                              generation=generation),
                           groups=SimpleNamespace(proxies=lambda: [], all=lambda: []),
                           registry=SimpleNamespace(objects=objects or {}), backend="gloo",
                           phase=SimpleNamespace(move=lambda _phase: None))  # fmt: skip
@@ -475,6 +476,14 @@ def test_a_pause_at_a_step_already_begun_is_refused():
     migration.on_pause(protocol.Pause(generation=4, step=5))
     assert len(sent) == 1 and isinstance(sent[0], protocol.PauseRefused)
     assert (sent[0].generation, sent[0].step) == (4, 5) and sent[0].t > 0
+
+
+def test_a_rank_a_grow_started_ignores_the_pause_it_joins_past():
+    # started for generation 4 while its peers go on to that pause; it starts at its step
+    migration, sent, _ = _migration(generation=4)
+    migration.on_pause(protocol.Pause(generation=4, step=7))
+    migration.at_boundary(7)  # does not wait: the order is not for it
+    assert not sent and migration._pause_at is None
 
 
 def test_a_later_pause_lets_a_paused_loop_go_on():

@@ -616,7 +616,7 @@ class Job:
                                   now)]  # fmt: skip
         resizing = self.resizing
         if (self.state is S.RESIZING and resizing is not None
-                and resizing.phase is ResizePhase.STARTING
+                and resizing.phase in (ResizePhase.PAUSING, ResizePhase.STARTING)
                 and set(record.lost_ranks) <= set(resizing.plan.added)):  # fmt: skip
             # a rank the grow started failed before it joined: the world stays as it is
             why = f"did not start: {record.detail}"
@@ -1068,7 +1068,7 @@ class Job:
             text += f": ranks {sorted(plan.added)} start on node(s) {nodes}"
         orders = [*self._enter(S.RESIZING, now),
                   Note("generation", {"generation": self.generation, "why": "resize"}),
-                  *self.resizing.start(now), Say(text)]  # fmt: skip
+                  *self._follow(self.resizing.start(now), now), Say(text)]  # fmt: skip
         return text, orders
 
     def _add_node(self, why: str, now: float, at_step: int = 0) -> tuple[str, list[Order]]:
@@ -1134,6 +1134,8 @@ class Job:
             for table in (self.progress, self.local_ranks, self.launched_as, self.done):
                 table.pop(rank, None)
             self.joined.discard(rank)
+        if not order.resume:
+            return orders
         self.generation += 1
         return [
             *orders,

@@ -119,13 +119,14 @@ class StartRanks:
 
 @dataclass(frozen=True)
 class DropRanks:
-    """A grow given up before its new ranks joined: the job ends their processes and
-    forgets them, and resumes the paused ranks of ``generation`` at the old size (on
-    communicators of a later generation than the one the new ranks met under)."""
+    """A grow given up before its new ranks joined the new world: the job ends their
+    processes and forgets them, and resumes the paused ranks of ``generation`` at the old
+    size (on communicators of a later generation than the one the new ranks meet under)."""
 
     generation: int
     ranks: list[int]
     why: str
+    resume: bool = True  # False: the job finished before the pause (nobody is paused)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ the step before (whose collectives had ended), the next, with the state pulled f
 as a rollback's does. The resize goes on from the pause as a planned one does: so it ends
 as the planned resize at that step.
 
-A grow starts its new ranks once every rank has paused (a resize refused there needs none),
-and tells the paused ranks of the new world once each new rank has joined (``xmig.init()``):
-one that does not start, or does not join in time, leaves every rank going on at the old
-size, nothing lost. Each new rank makes the new world with the others and is served the
-state of the pause step's start by one of them, then says ``Resumed`` like every other.
+A grow starts its new ranks at once, so that their start overlaps the other ranks' way to
+the pause step, and tells the paused ranks of the new world once each new rank has joined
+(``xmig.init()``): one that does not start, or does not join in time, leaves every rank going
+on at the old size, nothing lost (as does a rank that cannot resize, or the job's end).
+Each new rank makes the new world with the others and is served the state of the pause
+step's start by one of them, then says ``Resumed`` like every other.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from xmig.protocol import (
 class ResizePhase(enum.Enum):
     PARKING = "parking"  # a shrink: the survivors park where the fault found them
     PAUSING = "pausing"  # every rank pauses at the start of ``step``
-    STARTING = "starting"  # a grow: every rank paused, the new ranks start and join
+    STARTING = "starting"  # a grow: every rank paused, waiting for the new ranks to join
     RESIZING = "resizing"  # the ranks that stay build the new world
     DONE = "done"
     REFUSED = "refused"  # a rank's world cannot change size: it resumed at the old one
@@ -108,6 +109,7 @@ class Resizing:
     refusals: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot resize
     resumed: set[int] = field(default_factory=set)
     joined: set[int] = field(default_factory=set)  # a grow: the new ranks that joined
+    start_failed: str | None = None  # a grow: why a new rank did not start
     times: dict[str, float] = field(default_factory=dict)
     stop_s: float = 0.0  # the longest any rank took from its pause boundary to its report
 
@@ -128,7 +130,10 @@ class Resizing:
                                "step": self.step, "after_s": 0.0})  # fmt: skip
         if self.lost:
             return [note, ToAll(Park(generation=self.generation, replaced=self.lost))]
-        return [note, ToAll(Pause(generation=self.generation, step=self.step))]
+        orders: list[Order] = [note, ToAll(Pause(generation=self.generation, step=self.step))]
+        if self.plan.added:  # their start, the long pole, overlaps the way to the pause
+            orders.append(StartRanks(self.generation, dict(self.plan.added), self.plan.new_world))
+        return orders
 
     def _enter(self, phase: ResizePhase, now: float, **fields: Any) -> list[Order]:
         if phase not in RESIZE_TRANSITIONS[self.phase]:
@@ -159,16 +164,21 @@ class Resizing:
             return self.fail(f"the world was not resized within "
                              f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
         if isinstance(event, WorkerJoined):  # (a report without a generation)
-            if phase is ResizePhase.STARTING and event.rank in self.plan.added:
+            if phase in (ResizePhase.PAUSING, ResizePhase.STARTING) \
+                    and event.rank in self.plan.added:  # fmt: skip
                 self.joined.add(event.rank)
-                if self.joined >= set(self.plan.added):
+                if phase is ResizePhase.STARTING and self.joined >= set(self.plan.added):
                     return self._resize(now)
             return []
         if isinstance(event, WorkerDone):
             if phase is ResizePhase.PAUSING and not self.paused:
-                return [*self._enter(ResizePhase.DROPPED, now),
-                        Say(f"resize to {self.plan.new_world} ranks not done: the job "
-                            "finished first")]  # fmt: skip
+                orders = [*self._enter(ResizePhase.DROPPED, now),
+                          Say(f"resize to {self.plan.new_world} ranks not done: the job "
+                              "finished first")]  # fmt: skip
+                if self.plan.added:
+                    orders.append(DropRanks(self.generation, sorted(self.plan.added),
+                                            "the job finished first", resume=False))  # fmt: skip
+                return orders
             return []
         if getattr(event, "generation", None) != self.generation:
             return []
@@ -198,15 +208,16 @@ class Resizing:
                     self.refusals[event.rank] = event.cannot_resize
             if len(self.paused) < len(self.survivors):
                 return []
+            if self.start_failed is not None:
+                self.refusals.setdefault(min(self.plan.added), self.start_failed)
             if self.refusals:
                 why = min(self.refusals.items())[1]
-                return [*self._enter(ResizePhase.REFUSED, now, why=why),
-                        ToAll(Resume(generation=self.generation))]  # fmt: skip
-            if self.plan.added:  # their start is the long pole: the paused ranks wait
-                return [
-                    *self._enter(ResizePhase.STARTING, now),
-                    StartRanks(self.generation, dict(self.plan.added), self.plan.new_world),
-                ]
+                orders = self._enter(ResizePhase.REFUSED, now, why=why)
+                if self.plan.added:  # new ranks may wait to meet under this generation
+                    return [*orders, DropRanks(self.generation, sorted(self.plan.added), why)]
+                return [*orders, ToAll(Resume(generation=self.generation))]
+            if not self.joined >= set(self.plan.added):  # the paused ranks wait for them
+                return self._enter(ResizePhase.STARTING, now)
             return self._resize(now)
         if isinstance(event, Resumed) and phase in (ResizePhase.RESIZING, ResizePhase.REFUSED):
             self.resumed.add(event.rank)
@@ -222,9 +233,12 @@ class Resizing:
     def not_started(self, ranks: list[int], why: str, now: float) -> list[Order]:
         """New ranks of a grow that did not start or join: every rank goes on at the old
         size (the job ends the new ranks' processes)."""
-        if self.phase is not ResizePhase.STARTING:
-            return self.fail(f"new rank(s) {ranks} {why}", now)
         reason = f"new rank(s) {ranks} {why}"
+        if self.phase is ResizePhase.PAUSING:  # given up once every other rank has paused
+            self.start_failed = self.start_failed or reason
+            return [Note("resize", {"generation": self.generation, "start_failed": reason})]
+        if self.phase is not ResizePhase.STARTING:
+            return self.fail(reason, now)
         self.refusals[ranks[0]] = reason
         return [
             *self._enter(ResizePhase.REFUSED, now, why=reason),
@@ -300,15 +314,17 @@ class Resizing:
     def record(self) -> dict[str, Any]:
         t = self.times
         end = t.get("done", self.started)
-        quiesced = t.get("resizing", self.started)  # every rank paused
+        resizing = t.get("resizing", t.get("refused", self.started))
+        quiesced = t.get("starting", resizing)  # every rank paused
         pausing = t.get("pausing", self.started)  # a shrink: every survivor parked
         phases = {
             "park": pausing - self.started,  # a shrink: the survivors park (0 planned)
             "quiesce": quiesced - pausing,  # to the pause step (a shrink: the step rolled back)
             "stop": self.stop_s,  # from the pause boundary to the rank's report
-            # renumbered, new ranks started (a grow), the new communicator and DDP, the new
-            # ranks served their state, every rank resumed
-            "rebuild": end - quiesced,
+            "start": resizing - quiesced,  # a grow: its new ranks start and join
+            # renumbered, the new communicator and DDP, a grow's new ranks served their
+            # state, every rank resumed
+            "rebuild": end - resizing,
         }
         return {
             "kind": "resize",

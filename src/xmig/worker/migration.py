@@ -130,7 +130,10 @@ class Migration:
 
     def on_pause(self, order: protocol.Pause) -> None:
         """From the order consumer: pause at the start of ``order.step``, or say this rank has
-        already begun it."""
+        already begun it. Not a pause of the generation this process was started in: a rank
+        a grow adds is started while its peers go on to that pause, and joins past it."""
+        if order.generation <= self._ctx.env.generation:
+            return
         with self._lock:
             started = self._boundary
             if started is not None and started >= order.step:
