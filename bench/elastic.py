@@ -15,15 +15,19 @@ paired in one run (ABBA).
   time is the grow's downtime, from the pause boundary to every rank resumed: the new rank's
   process starts on the idle node (``--hot-spares 0``), joins, makes the new world with the
   others and pulls the state from one of them. ``grow-spare``: the same with a hot spare on
-  every node (``--hot-spares 1``, xmig's default), which the new rank starts from.
+  every node (``--hot-spares 1``, xmig's default), which the new rank starts from. Both
+  jobs idle ``--spare-warmup-s`` after the shrink, outside what is timed, so that the idle
+  node's spare is warm (on 2 cores a spare warms up only once the workers are up).
 - ``restart``: what a job without resizing does instead: a new job of N ranks is launched;
   the time is from the launch to the start of its first step on its slowest rank (process
   start, imports, the process group, the model and DDP). Loading a checkpoint, which a real
   restart also needs, is not counted: the baseline is a lower bound. ``restart-full``: the
   same at ``--world`` ranks, the baseline of a grow.
 
-The model is an MLP (``--hidden``, ``--layers``) trained on ``session.shards`` (CPU, gloo),
-one rank per node (``--nnodes W --nproc-per-node 1``).
+The model is an MLP (``--hidden``, ``--layers``) trained on ``session.shards`` (gloo on a CPU
+machine, NCCL on a GPU one), one rank per node (``--nnodes W --nproc-per-node 1``). On a
+machine with fewer GPUs than ranks, ``--simulate-hosts`` (root) lets ranks share a GPU: each
+node is a host of its own to NCCL (its speed then is not a real link's).
 
     python bench/elastic.py --world 3 --to 2 --rounds 2 --out /tmp/elastic.json
 """
@@ -52,6 +56,8 @@ SCRIPT = textwrap.dedent("""
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--marks")
+    parser.add_argument("--idle-at", type=int, default=-1)
+    parser.add_argument("--idle-s", type=float, default=0.0)
     args = parser.parse_args()
 
     class Data(torch.utils.data.Dataset):
@@ -66,7 +72,7 @@ SCRIPT = textwrap.dedent("""
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 8))
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 8)).to(session.device)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     session.register(model=ddp, optimizer=optimizer)
@@ -75,7 +81,9 @@ SCRIPT = textwrap.dedent("""
         if step == 0 and args.marks:
             with open(os.path.join(args.marks, f"rank{session.rank}"), "w") as out:
                 out.write(str(time.time()))
-        x, y = next(data)
+        if step == args.idle_at:  # (a pause before the measured part: hot spares warm up)
+            time.sleep(args.idle_s)
+        x, y = (t.to(session.device) for t in next(data))
         loss = torch.nn.functional.cross_entropy(ddp(x), y) * data.weight
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -84,10 +92,13 @@ SCRIPT = textwrap.dedent("""
 FAST = ["--hot-spares", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "5"]
 
 
+HOSTS: list[str] = []  # ["--simulate-hosts"]: NCCL then takes each node for a host
+
+
 def xmig_run(folder: Path, world: int, extra: list[str], script_args: list[str]) -> dict:
     summary = folder / "summary.json"
     cmd = [sys.executable, "-m", "xmig", "run", "--summary", str(summary), "--nnodes",
-           str(world), "--nproc-per-node", "1", *FAST, *extra, str(folder / "job.py"),
+           str(world), "--nproc-per-node", "1", *FAST, *HOSTS, *extra, str(folder / "job.py"),
            *script_args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=folder)
     if proc.returncode != 0:
@@ -119,12 +130,16 @@ def grow_once(folder: Path, args: argparse.Namespace, spares: int = 0) -> dict:
     back = args.step + 3
     inject = ["--hot-spares", str(spares), "--inject", f"resize:world={args.to}:step={args.step}",
               "--inject", f"resize:world={args.world}:step={back}"]  # fmt: skip
-    summary = xmig_run(folder, args.world, inject, script_args(args, back + 3))
+    # the job idles a few seconds after the shrink, as a job whose node has been idle a
+    # while: a hot spare there is warm by then
+    idle = ["--idle-at", str(args.step + 1), "--idle-s", str(args.spare_warmup_s)]
+    summary = xmig_run(folder, args.world, inject, [*script_args(args, back + 3), *idle])
     _, record = summary["resizes"]
     if record["step"] != back or record["new_world"] != args.world:
         raise RuntimeError(f"the grow did not happen as asked: {record}")
     return {"downtime_s": record["downtime_s"], "total_s": record["total_s"],
             "phases": record["phases"], "replicas_equal": record.get("replicas_equal"),
+            "from_spare": record.get("from_spare"),
             "sha256": summary["final_params_sha256"]}  # fmt: skip
 
 
@@ -151,8 +166,20 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds")
+    parser.add_argument(
+        "--spare-warmup-s",
+        type=float,
+        default=8.0,
+        help="how long a grow's job idles after its shrink (hot spares warm)",
+    )
     parser.add_argument("--out", default=None)
+    parser.add_argument("--simulate-hosts", action="store_true",
+                        help="each node a simulated host (root): on a GPU machine with fewer "
+                        "GPUs than ranks, NCCL then takes ranks that share a GPU for ranks of "
+                        "different hosts")  # fmt: skip
     args = parser.parse_args()
+    if args.simulate_hosts:
+        HOSTS.append("--simulate-hosts")
     runs = {
         "resize": resize_once,
         "shrink": shrink_once,

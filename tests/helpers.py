@@ -17,6 +17,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "examples" / "train_gpt.py"
+PATTERNS = REPO / "tests" / "scripts" / "patterns.py"
 
 
 @dataclass

@@ -17,7 +17,7 @@ from xmig.launch.multihost import job_token
 from xmig.wire import Client, WireError, parse_address
 
 from etcd_harness import EtcdCluster, needs_etcd
-from helpers import DEMO, assert_all_gone, fault_free_sha256, wait_for
+from helpers import DEMO, PATTERNS, assert_all_gone, fault_free_sha256, wait_for
 from hosts_harness import (
     PORT,
     SECRET,
@@ -227,3 +227,46 @@ def test_hosts_on_an_ha_control_plane_lose_the_leaders_whole_host(
         plane.close()
     finally:
         cluster.stop()
+
+
+@needs_root
+@pytest.mark.long  # the coordinator's side runs in CI (test_resize_machine), the grow too
+def test_a_lost_host_started_again_grows_the_world_it_shrank(hosts, tmp_path, tmp_path_factory):
+    """3 hosts, no spare, ``--on-no-spare shrink``: host 2 is killed whole and the world
+    shrinks to 2; the host is started again with its node rank (repaired) and the world grows
+    back onto it: bit-identical to the fault-free run with planned resizes at those steps."""
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    script = [str(PATTERNS), "--pattern", "shards", "--steps", "16", "--step-sleep", "0.3"]
+    net = hosts(3)
+    common = ["--nnodes", "3", "--rdzv-endpoint", net.endpoint, "--rdzv-id", job_id,
+              "--hot-spares", "0", *HEARTBEAT, "--on-no-spare", "shrink"]  # fmt: skip
+    for node in (1, 2):
+        net.start(f"host{node}", node, [*common, *script])
+    time.sleep(0.5)
+    net.start("host0", 0, ["--summary", str(tmp_path / "summary.json"), *common, *script])
+
+    def world(size: int, step: int = 0) -> bool:
+        try:
+            now = status(net, job_id)
+        except WireError:
+            return False
+        return now["status"] == "running" and now["world_size"] == size and \
+            min(now["progress"].values(), default=0) >= step  # fmt: skip
+
+    wait_for(lambda: world(3, step=3), 120, "the job to reach step 3")
+    assert net.kill_host(2), "host 2 had no processes"
+    wait_for(lambda: world(2), 60, "the world to shrink to 2")
+    net.start("host2-again", 2, [*common, *script])
+    assert net.wait("host0", 180) == 0, net.output("host0")
+    assert net.wait("host1", 60) == 0 and net.wait("host2-again", 60) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    shrink, grow = summary["resizes"]
+    assert shrink["cause"] == "node lost" and grow["cause"] == "node added"
+    assert grow["added"] == {"2": 2} and grow["replicas_equal"] is True
+    assert grow["why"] == "node 2 joined"
+    planned = ["--nnodes", "3", "--hot-spares", "0", "--inject",
+               f"resize:world=2:step={shrink['step']}", "--inject",
+               f"resize:world=3:step={grow['step']}", *script[:-2]]  # fmt: skip
+    assert summary["final_params_sha256"] == fault_free_sha256(planned, tmp_path_factory)
+    assert len(summary["worker_pids"]["0"]) == len(summary["worker_pids"]["1"]) == 1
+    assert_all_gone(summary)

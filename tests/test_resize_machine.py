@@ -287,6 +287,7 @@ def test_a_larger_world_starts_new_ranks_on_an_idle_node_and_resizes_once_all_ar
     (record,) = job.resizes
     assert record["what"] == "grown from 3 to 4 at step 4 (planned)"
     assert record["added"] == {"3": 3} and record["pulled"] == {"3": 0}
+    assert record["from_spare"] == [False]
     assert any("ranks [3] started on node 3" in line for line in said(orders))
 
 

@@ -161,7 +161,7 @@ REJOIN_EVENTS = (AgentHello, AgentLost, Tick, StatusRequest, StopJob)
 RECOVERY_EVENTS = (Parked, Recovered, StateSent, WorkerStarted, WorkerJoined, ReplayMismatched)
 MIGRATION_EVENTS = (Prepared, Paused, PauseRefused, Dumped, Restored, Rejoined, Resumed)
 CHECKPOINT_EVENTS = (Parked, CheckpointWritten, Sealed)
-RESIZE_EVENTS = (Parked, Paused, PauseRefused, Resumed, StateSent, WorkerJoined)
+RESIZE_EVENTS = (Parked, Paused, PauseRefused, Resumed, StateSent, WorkerJoined, WorkerStarted)
 
 
 class IllegalTransition(AssertionError):

@@ -56,6 +56,7 @@ from xmig.protocol import (
     StateSent,
     WorkerDone,
     WorkerJoined,
+    WorkerStarted,
 )
 
 
@@ -110,6 +111,7 @@ class Resizing:
     resumed: set[int] = field(default_factory=set)
     joined: set[int] = field(default_factory=set)  # a grow: the new ranks that joined
     start_failed: str | None = None  # a grow: why a new rank did not start
+    from_spare: dict[int, bool] = field(default_factory=dict)  # a grow: new rank -> its start
     times: dict[str, float] = field(default_factory=dict)
     stop_s: float = 0.0  # the longest any rank took from its pause boundary to its report
 
@@ -163,7 +165,11 @@ class Resizing:
                                         f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
             return self.fail(f"the world was not resized within "
                              f"{self.deadline - self.started:.0f} s", now)  # fmt: skip
-        if isinstance(event, WorkerJoined):  # (a report without a generation)
+        if isinstance(event, WorkerStarted):  # (a report without a generation)
+            if event.rank in self.plan.added:
+                self.from_spare[event.rank] = event.from_spare
+            return []
+        if isinstance(event, WorkerJoined):
             if phase in (ResizePhase.PAUSING, ResizePhase.STARTING) \
                     and event.rank in self.plan.added:  # fmt: skip
                 self.joined.add(event.rank)
@@ -337,6 +343,8 @@ class Resizing:
             "ranks": {str(old): new for old, new in sorted(self.plan.ranks.items())},
             "left": self.plan.dropped,
             "added": {str(r): node for r, node in sorted(self.plan.added.items())},
+            # each new rank's process: a hot spare's, or one started from scratch
+            "from_spare": [self.from_spare.get(r, False) for r in sorted(self.plan.added)],
             "lost": self.lost,
             # who pulled the state from whom: a shrink's laggards, a grow's new ranks
             "pulled": {r: s for r, s in sorted(self.sources.items())},
