@@ -447,3 +447,18 @@ def test_a_snapshot_keeps_what_a_grow_needs():
     again = restore(job.spec, snapshot(job), T0 + 3)
     assert again.added_nodes == [3] and again.wanted_world == 3
     assert again.launched_as == {0: 0, 1: 2} and again.scheduled_nodes == job.scheduled_nodes
+
+
+def test_an_added_node_lost_before_its_rank_joined_leaves_the_world_as_it_was():
+    job = shrunk_job()
+    job.on(ScaleRequest(add_node=True), T0 + 2)
+    job.on(AgentHello(node=3, pid=93, netns=None), T0 + 3)
+    job.on(WorkerStarted(rank=2, node=3, pid=303, attempt=1, t=T0, from_spare=True), T0 + 3.1)
+    job.on(AgentLost(3), T0 + 3.2)
+    assert job.state is S.RESIZING and job.resizing.start_failed is not None
+    orders = paused(job, step=4, ranks=(0, 1), generation=2)
+    assert sent(orders, Resume) == [("all", Resume(generation=2, communicators=3))]
+    for rank in (0, 1):
+        job.on(Resumed(generation=2, rank=rank), T0 + 3.5)
+    assert job.state is S.RUNNING and job.world_size == 2 and 2 not in job.members
+    assert "did not start" in job.resizes[-1]["refused"]

@@ -615,9 +615,7 @@ class Job:
                     *self._follow(self.recovery.fail("a second fault hit during recovery", now),
                                   now)]  # fmt: skip
         resizing = self.resizing
-        if (self.state is S.RESIZING and resizing is not None
-                and resizing.phase in (ResizePhase.PAUSING, ResizePhase.STARTING)
-                and set(record.lost_ranks) <= set(resizing.plan.added)):  # fmt: skip
+        if self.state is S.RESIZING and resizing is not None and self._starting(record):
             # a rank the grow started failed before it joined: the world stays as it is
             why = f"did not start: {record.detail}"
             return [
@@ -635,6 +633,14 @@ class Job:
                 *self._follow(moving.fail(f"a fault hit during the {what}", now), now),
             ]
         return [Note("fault", dataclasses.asdict(record))]
+
+    def _starting(self, record: FaultRecord) -> bool:
+        """Whether ``record`` is of ranks a grow started that have not joined the new world
+        yet (it goes on without them, at the old size)."""
+        resizing = self.resizing
+        return (resizing is not None
+                and resizing.phase in (ResizePhase.PAUSING, ResizePhase.STARTING)
+                and set(record.lost_ranks) <= set(resizing.plan.added))  # fmt: skip
 
     def _settle_after(self, record: FaultRecord, now: float) -> None:
         """A death settles the batch once no other has come for ``SETTLE_QUIET_S``
@@ -694,6 +700,8 @@ class Job:
                 self.faults.append(record)
             return [*orders, *self._follow(self.migration.fail(
                 f"the agent of node {node} was lost", now), now)]  # fmt: skip
+        if self.state is S.RESIZING and record is not None and self._starting(record):
+            return [*orders, *self._fault(Fault(record=record), now)]  # a grow's new node
         if self.state is S.RESIZING and record is not None:
             assert self.resizing is not None
             self.faults.append(record)

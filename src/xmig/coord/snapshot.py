@@ -39,8 +39,9 @@ def busy_with(job: Job) -> dict[str, Any] | None:
     if job.migration is not None:
         return {"what": "migration", "ranks": [job.migration.rank],
                 "generation": job.migration.generation}  # fmt: skip
-    if job.resizing is not None:
-        return {"what": "resize", "ranks": [], "generation": job.resizing.generation}
+    if job.resizing is not None:  # a grow's new ranks hold no state (to end, not to save)
+        return {"what": "resize", "ranks": sorted(job.resizing.plan.added),
+                "generation": job.resizing.generation}  # fmt: skip
     if job.checkpoint is not None:
         return {"what": "checkpoint", "ranks": [], "generation": job.checkpoint.generation}
     if job.batch:
