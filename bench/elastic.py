@@ -11,10 +11,11 @@ paired in one run (ABBA).
   from the fault to every rank of the new world resumed (the survivors park, roll the step
   back, pause at its start and resize). Each shrink's final parameters are compared with the
   planned resize's at the same step: they must be the same, bit for bit.
-- ``grow``: the job resized to N at step S and back to ``--world`` ranks at step S+3; the
-  time is the grow's downtime, from the pause boundary to every rank resumed: the new rank's
-  process starts on the idle node (``--hot-spares 0``), joins, makes the new world with the
-  others and pulls the state from one of them. ``grow-spare``: the same with a hot spare on
+- ``grow``: the job resized to N at step S and back to ``--world`` ranks at step S+4; the
+  time is the grow's downtime, from the pause boundary to every rank resumed. The new rank's
+  process starts on the idle node (``--hot-spares 0``) as the grow is ordered, two steps
+  before its pause (so its start overlaps those steps' training), joins, makes the new world
+  with the others and pulls the state from one of them. ``grow-spare``: the same with a hot spare on
   every node (``--hot-spares 1``, xmig's default), which the new rank starts from. Both
   jobs idle ``--spare-warmup-s`` after the shrink, outside what is timed, so that the idle
   node's spare is warm (on 2 cores a spare warms up only once the workers are up).
@@ -127,7 +128,7 @@ def shrink_once(folder: Path, args: argparse.Namespace) -> dict:
 
 
 def grow_once(folder: Path, args: argparse.Namespace, spares: int = 0) -> dict:
-    back = args.step + 3
+    back = args.step + 4  # its pause is sent two steps ahead: after the idle step
     inject = ["--hot-spares", str(spares), "--inject", f"resize:world={args.to}:step={args.step}",
               "--inject", f"resize:world={args.world}:step={back}"]  # fmt: skip
     # the job idles a few seconds after the shrink, as a job whose node has been idle a

@@ -118,6 +118,23 @@ def test_each_order_reaches_its_handler():
                                  protocol.Shrink}  # fmt: skip
 
 
+def test_the_plan_of_a_later_recovery_is_not_taken_by_the_wait_of_an_earlier_one():
+    """A recovery given up (the coordinator was restarted during it) still waits for its
+    plan when the later recovery's comes: that plan goes to the later wait, whichever
+    thread the inbox wakes first, and the earlier wait ends."""
+    from xmig.worker.orders import Superseded
+
+    orders, _, _ = _orders()
+    rebuild = protocol.Rebuild(generation=3, mode="replay", step=4, source=0, pulls=[1])
+    orders.dispatch(rebuild)
+    with pytest.raises(Superseded, match="generation 2 was given up for 3"):
+        orders.plans.next(2, timeout=5.0)
+    assert orders.plans.next(3, timeout=1.0) == rebuild
+    # an order of an earlier generation is stale: dropped, the wait goes on
+    orders.dispatch(protocol.Rebuild(generation=1, mode="replay", step=3, source=0, pulls=[1]))
+    assert orders.plans.next(3, timeout=0.05) is None
+
+
 def test_a_park_that_replaces_this_rank_is_not_its_own():
     orders, parks, _ = _orders()  # rank 1's
     orders.dispatch(protocol.Park(generation=4, replaced=[1]))

@@ -31,10 +31,14 @@ class Superseded(RecoveryFailed):
 
 
 class Inbox:
-    """Orders handed by the consumer to one waiting thread."""
+    """Orders handed by the consumer to one waiting thread. ``supersede``: an order of a
+    later generation than the one a thread waits for ends that wait (``Superseded``) and is
+    kept for the wait of its own generation: a recovery given up for a later one may still
+    be waiting when the later one's plan comes, and must not take it."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, supersede: bool = False) -> None:
         self.name = name
+        self.supersede = supersede
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def hand(self, order: Any) -> None:
@@ -66,8 +70,12 @@ class Inbox:
                     raise Superseded(f"generation {generation} was given up for "
                                      f"{order.generation}")  # fmt: skip
                 continue  # the park that started this wait
-            if getattr(order, "generation", None) == generation:
+            later = getattr(order, "generation", None)
+            if later == generation:
                 return order
+            if self.supersede and isinstance(later, int) and later > generation:
+                self._queue.put(order)  # for the wait of its own generation
+                raise Superseded(f"generation {generation} was given up for {later}")
             logger.debug("%s: dropped a stale %s", self.name, type(order).__name__)
 
 
@@ -78,7 +86,8 @@ class Orders:
                  on_save: Handler | None = None, on_store: Handler | None = None,
                  on_prepare: Handler | None = None) -> None:  # fmt: skip
         self.rank = rank
-        self.plans = Inbox("recovery")  # a survivor's Rebuild (or Abort), after its Park
+        # a survivor's Rebuild (or Abort), after its Park
+        self.plans = Inbox("recovery", supersede=True)
         # a step loop paused at a boundary: Dump, Resume, Resize
         self.boundary = Inbox("boundary")
         self.digests = Inbox("digests")  # what the peer serving this rank's state sent
