@@ -51,39 +51,32 @@ def test_a_planned_resize_goes_on_at_the_new_size_with_every_sample_once(tmp_pat
 
 
 def test_a_planned_grow_starts_a_rank_that_pulls_the_state_and_goes_on_exactly(tmp_path):
-    """3 ranks on one node, down to 2 at step 3 and back to 3 at step 6: the new rank 2
-    starts in the free slot, pulls the state of step 6's start from rank 0, and every
+    """3 ranks on one node, down to 2 at step 3. A grow back to 3 at step 6 whose new rank
+    exits before it joins leaves the world at 2, nothing lost; the one at step 9 starts the
+    new rank 2 in the free slot, which pulls the state of step 9's start from rank 0. Every
     sample is still taken once, weighed by the world of its step."""
+    steps = 12
     result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=3", "--inject",
-                           "resize:world=3:step=6", sleep=0.05), tmp_path)  # fmt: skip
+                           "resize:world=3:step=6", "--inject", "resize:world=3:step=9",
+                           steps=steps, sleep=0.05, script=("--fail-new-rank", "2")),
+                 tmp_path)  # fmt: skip
     assert result.returncode == 0, result.output
-    assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 3}
+    assert final_weight(tmp_path) == {"w": -sum(6 * s + 2.5 for s in range(steps)),
+                                      "world_size": 3}  # fmt: skip
     summary = result.summary
-    assert summary["world_sizes"] == [[0, 3], [3, 2], [6, 3]]
-    shrink, grow = summary["resizes"]
-    assert grow["what"] == "grown from 2 to 3 at step 6 (planned)"
+    assert summary["world_sizes"] == [[0, 3], [3, 2], [9, 3]]
+    _, failed, grow = summary["resizes"]
+    assert "new rank(s) [2] did not start: exit code 3" in failed["refused"]
+    assert "the world stays at 2 ranks" in result.output
+    assert grow["what"] == "grown from 2 to 3 at step 9 (planned)"
     assert grow["added"] == {"2": 0} and grow["pulled"] == {"2": 0}
     assert grow["replicas_equal"] is True  # its parameters equal its peers' after a step
     # ranks 0 and 1 kept their processes throughout; rank 2 is a new one
     pids = summary["worker_pids"]
     assert len(pids["0"]) == len(pids["1"]) == len(pids["2"]) == 1
-    (left,) = summary["left_ranks"]
-    assert left["pid"] not in pids["2"]
-    assert "grown from 2 to 3 at step 6" in result.output
-
-
-def test_a_grow_whose_new_rank_does_not_start_goes_on_at_the_old_size(tmp_path):
-    result = run(exact_job(tmp_path, "--inject", "resize:world=2:step=3", "--inject",
-                           "resize:world=3:step=6", sleep=0.05,
-                           script=("--fail-new-rank", "2")), tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.output
-    assert final_weight(tmp_path) == {"w": EXPECTED_W, "world_size": 2}
-    summary = result.summary
-    assert summary["world_sizes"] == [[0, 3], [3, 2]]
-    grow = summary["resizes"][1]
-    assert "new rank(s) [2] did not start: exit code 3" in grow["refused"]
-    assert len(summary["worker_pids"]["0"]) == len(summary["worker_pids"]["1"]) == 1
-    assert "the world stays at 2 ranks" in result.output
+    left = [r["pid"] for r in summary["left_ranks"]]
+    assert len(left) == 2 and not set(left) & set(pids["2"])  # the leaver, the failed start
+    assert "grown from 2 to 3 at step 9" in result.output
 
 
 def test_scale_by_request_shrinks_a_running_job(tmp_path):

@@ -462,3 +462,21 @@ def test_an_added_node_lost_before_its_rank_joined_leaves_the_world_as_it_was():
         job.on(Resumed(generation=2, rank=rank), T0 + 3.5)
     assert job.state is S.RUNNING and job.world_size == 2 and 2 not in job.members
     assert "did not start" in job.resizes[-1]["refused"]
+
+
+def test_a_spare_node_the_shrink_left_idle_grows_the_world_back_at_the_next_boundary():
+    """Two nodes lost at once, one spare node: the world shrinks by both, then grows onto the
+    spare (a lost node's ranks all go to one idle node, or none do)."""
+    job = running_job(nnodes=3, spare_nodes=1, on_no_spare="shrink", checkpoint_dir="/ckpt")
+    job.on(AgentLost(1), T0)
+    job.on(AgentLost(2), T0 + 0.001)
+    job.on(Tick(), T0 + 1.0)
+    assert job.state is S.RESIZING and job.resizing.lost == [1, 2]
+    job.on(Parked(generation=1, rank=0, position=Position(
+        step=3, state_step=3, log_from=2, keep_log=True, signatures={})), T0 + 1.1)  # fmt: skip
+    paused(job, step=3, ranks=(0,))
+    job.on(Resumed(generation=1, rank=0), T0 + 1.3)
+    assert job.world_size == 1
+    orders = job.on(Progress(rank=0, step=3), T0 + 1.4)
+    assert job.resizing.plan.added == {1: 3} and job.resizing.why == "node 3 is idle"
+    assert sent(orders, Pause) == [("all", Pause(generation=2, step=4))]

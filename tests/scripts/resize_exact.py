@@ -7,8 +7,8 @@ takes w down by the mean of its samples, and a run that skips, repeats or miswei
 or averages over the wrong number of ranks after a resize, ends with another weight.
 
 ``--out FILE``: rank 0 writes the final weight and the world size it ended at.
-``--fail-new-rank R``: a process started later as rank R (a grow's new rank) exits before
-it joins, as one on a node that cannot run the job would.
+``--fail-new-rank R``: the first process started later as rank R (a grow's new rank) exits
+before it joins, as one on a node that cannot run the job would.
 """
 
 import argparse
@@ -42,8 +42,8 @@ def main():
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--fail-new-rank", type=int, default=None)
     args = parser.parse_args()
-    late = os.environ.get("XMIG_ATTEMPT", "0") != "0"
-    if late and args.fail_new_rank == int(os.environ.get("RANK", "-1")):
+    first_late = os.environ.get("XMIG_ATTEMPT") == "1"
+    if first_late and args.fail_new_rank == int(os.environ.get("RANK", "-1")):
         sys.exit(3)
 
     session = xmig.init(seed=0)

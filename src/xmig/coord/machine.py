@@ -362,8 +362,8 @@ class Job:
         # spare nodes may come later: a job needs them only once a node is lost
         if set(range(self.spec.nnodes)) <= self.agents and self.state is S.STARTING:
             orders += self._enter(S.RUNNING, now)
-        elif self.state is not S.STARTING:
-            # a node that joins the running job (added, a spare come late, a repaired one
+        elif self.state is not S.STARTING and self.progress:
+            # a node that joins the training job (added, a spare come late, a repaired one
             # back): the world grows onto it if a lost node left it smaller than wanted
             self.joining.setdefault(msg.node, 0)
             orders.append(Say(f"node {msg.node} joined the job"))
@@ -1103,25 +1103,27 @@ class Job:
                       ToLaunchers(StartNode(node=node)), Say(text)]  # fmt: skip
 
     def _maybe_grow(self, now: float) -> list[Order]:
-        """A node that joined the running job is idle and the world is smaller than wanted
-        (a lost node shrank it): grow onto it at the next step boundary."""
-        if not self.joining or self.state is not S.RUNNING or not self.progress:
+        """The world is smaller than wanted (a lost node shrank it) and a node is idle (one
+        that joined the running job, or a spare node the shrink did not use): grow onto it
+        at the next step boundary (an injected ``add-node``'s at its step at the earliest)."""
+        if self.state is not S.RUNNING or self.world_size >= self.wanted_world:
             return []
-        if self.world_size >= self.wanted_world:
+        if not self.progress:
             return []
         idle = decide.idle_nodes(self)
-        ready = [n for n in sorted(self.joining) if n in idle]
-        if not ready:
+        if not idle:
             return []
-        node = ready[0]
-        earliest = self.joining.pop(node)
+        node = idle[0]
+        joined = node in self.joining
+        earliest = self.joining.pop(node, 0)
         step = max(earliest, max(self.progress.values()) + 1)
         nodes = {r: m.node for r, m in self.members.items()}
         plan = plan_grow(nodes, node, step, idle, self.spec.nproc_per_node,
                          max_world_size=self.wanted_world)  # fmt: skip
         if isinstance(plan, Refusal):
             return [Say(f"node {node} stays a spare: {plan.reason}")]
-        return self._begin_resize(plan, f"node {node} joined", now)[1]
+        why = f"node {node} joined" if joined else f"node {node} is idle"
+        return self._begin_resize(plan, why, now)[1]
 
     def _drop_ranks(self, order: DropRanks) -> list[Order]:
         """A grow given up before its new ranks joined: their processes end, the job forgets
