@@ -291,15 +291,20 @@ def test_a_larger_world_starts_new_ranks_on_an_idle_node_and_resizes_once_all_ar
     assert any("ranks [3] started on node 3" in line for line in said(orders))
 
 
+def new_rank_exits(job, t):
+    """Rank 3, started for a grow, exits before it joins."""
+    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=t, from_spare=False), t)
+    return job.on(Fault(record=FaultRecord(
+        rank=3, node=3, pid=303, attempt=1, kind="exit", detail="exit code 1", step=None,
+        t_fault=t + 0.01, t_detected=t + 0.01, fault_time_source="detection",
+        detected_after_s=0.0)), t + 0.01)  # fmt: skip
+
+
 def test_a_new_rank_that_does_not_start_leaves_the_world_as_it_was():
     job = running_job(nnodes=3, spare_nodes=1)
     job.on(ScaleRequest(world_size=4), T0)
     paused(job)
-    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.2)
-    orders = job.on(Fault(record=FaultRecord(
-        rank=3, node=3, pid=303, attempt=1, kind="exit", detail="exit code 1", step=None,
-        t_fault=T0 + 0.3, t_detected=T0 + 0.3, fault_time_source="detection",
-        detected_after_s=0.0)), T0 + 0.3)  # fmt: skip
+    orders = new_rank_exits(job, T0 + 0.2)
     assert job.resizing.phase is ResizePhase.REFUSED and not sent(orders, Resize)
     # its process is ended, and the paused ranks go on on communicators of a generation
     # the new rank never met under
@@ -316,11 +321,7 @@ def test_a_new_rank_that_does_not_start_leaves_the_world_as_it_was():
 def test_a_new_rank_that_fails_before_the_pause_leaves_the_world_as_it_was_once_paused():
     job = running_job(nnodes=3, spare_nodes=1)
     job.on(ScaleRequest(world_size=4), T0)
-    job.on(WorkerStarted(rank=3, node=3, pid=303, attempt=1, t=T0, from_spare=False), T0 + 0.05)
-    orders = job.on(Fault(record=FaultRecord(
-        rank=3, node=3, pid=303, attempt=1, kind="exit", detail="exit code 1", step=None,
-        t_fault=T0 + 0.06, t_detected=T0 + 0.06, fault_time_source="detection",
-        detected_after_s=0.0)), T0 + 0.06)  # fmt: skip
+    orders = new_rank_exits(job, T0 + 0.05)
     assert job.resizing.phase is ResizePhase.PAUSING and not sent(orders, Resume)
     orders = paused(job)
     assert sent(orders, Resume) == [("all", Resume(generation=1, communicators=2))]
