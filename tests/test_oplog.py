@@ -1,6 +1,8 @@
 """Op records: signatures every rank can compare, scratch copies for a re-issue, restoring
 clobbered inputs, and serving an op without the network."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -257,3 +259,16 @@ def test_a_replacement_ends_an_op_with_the_result_it_was_sent():
     assert torch.equal(tensor, torch.tensor([1.0, 2.0, 3.0]))
     assert record.take_result([torch.tensor([1.0, 2.0, 3.0])]) is False
     assert record.outputs_intact() is False  # written into since it completed
+
+
+def test_records_handed_off_at_a_boundary_are_let_go_before_the_process_exits():
+    """The session waits for them at exit: a thread killed there while it destroys a work
+    ends the process with std::terminate."""
+    from xmig.proxy.process_group import _let_go_later, wait_let_go
+
+    class Slow:
+        def __del__(self):
+            time.sleep(0.2)
+
+    _let_go_later([Slow(), Slow()])
+    assert wait_let_go(10.0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from xmig import logs, protocol
 from xmig.ccl import BACKENDS
 from xmig.jobenv import WorkerEnv
-from xmig.proxy import ProxyProcessGroup, ReplayMismatch, wait_for_aborts
+from xmig.proxy import ProxyProcessGroup, ReplayMismatch, wait_for_aborts, wait_let_go
 from xmig.state import params_sha256
 from xmig.wire import WireError
 from xmig.worker.backend import init_process_group
@@ -293,6 +293,7 @@ class Session:
         if not wait_for_aborts(ABORT_WAIT_S):
             logger.warning("a communicator was still being aborted %.0f s on, at exit",
                            ABORT_WAIT_S)  # fmt: skip
+        wait_let_go(ABORT_WAIT_S)  # a thread killed at exit inside a work's end aborts
 
 
 _session: Session | None = None

@@ -10,6 +10,7 @@ from xmig.proxy.process_group import (
     ReplayMismatch,
     replay_groups,
     wait_for_aborts,
+    wait_let_go,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "replay_groups",
     "signature_of",
     "wait_for_aborts",
+    "wait_let_go",
 ]

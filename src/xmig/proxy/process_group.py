@@ -814,16 +814,20 @@ _WAITER = "proxy-waiter"
 _LET_GO: queue.SimpleQueue[list[OpRecord]] = queue.SimpleQueue()
 _LET_GO_STARTED = threading.Event()
 _LET_GO_LOCK = threading.Lock()
+# batches handed to the thread and not yet let go; the process must not exit under one (a
+# thread killed at exit while it destroys a work ends the process with std::terminate)
+_LET_GO_PENDING = [0]
+_LET_GO_DONE = threading.Condition(_LET_GO_LOCK)
 
 
 def _let_go_later(records: list[OpRecord]) -> None:
     if not records:
         return
-    if not _LET_GO_STARTED.is_set():
-        with _LET_GO_LOCK:
-            if not _LET_GO_STARTED.is_set():
-                threading.Thread(target=_let_go, name="xmig-let-go", daemon=True).start()
-                _LET_GO_STARTED.set()
+    with _LET_GO_LOCK:
+        if not _LET_GO_STARTED.is_set():
+            threading.Thread(target=_let_go, name="xmig-let-go", daemon=True).start()
+            _LET_GO_STARTED.set()
+        _LET_GO_PENDING[0] += 1
     _LET_GO.put(records)
 
 
@@ -833,6 +837,16 @@ def _let_go() -> None:
         while records:  # one at a time: the step loop gets the interpreter in between
             records.pop()
         del records
+        with _LET_GO_DONE:
+            _LET_GO_PENDING[0] -= 1
+            _LET_GO_DONE.notify_all()
+
+
+def wait_let_go(timeout: float) -> bool:
+    """Wait, at most ``timeout`` seconds, until the records handed off have been let go;
+    False if some are left."""
+    with _LET_GO_DONE:
+        return _LET_GO_DONE.wait_for(lambda: _LET_GO_PENDING[0] == 0, timeout)
 
 
 def _on_stream(device: Any, role: Any) -> contextlib.AbstractContextManager[Any]:
