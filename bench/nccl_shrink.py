@@ -37,6 +37,14 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, how: str, case: str, out: Any) -> None:
+    try:
+        _measure(rank, world, port, how, case, out)
+    except Exception as exc:  # the report says where it broke (an API this torch lacks)
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}"[:300]}))
+        os._exit(1)
+
+
+def _measure(rank: int, world: int, port: int, how: str, case: str, out: Any) -> None:
     os.environ["NCCL_HOSTID"] = f"xmig-bench-host{rank}"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NCCL_IB_DISABLE", "1")
