@@ -195,3 +195,18 @@ def test_a_node_added_after_a_shrink_grows_the_world_as_planned_resizes_would(
                          f"resize:world=3:step={step}", script=("--steps", "12"))  # fmt: skip
     expected = fault_free_sha256(planned, tmp_path_factory)
     assert summary["final_params_sha256"] == expected, "not the planned resizes' run"
+
+
+def test_a_lost_node_in_a_world_that_cannot_shrink_stops_with_a_checkpoint(tmp_path):
+    """``session.batches()`` keeps each rank's own position: the survivors say so as they
+    park, and the state is saved at once (told to resume at the old size, they would wait
+    for the lost rank)."""
+    args = [*NODES, "--on-no-spare", "shrink", "--inject", "node:rank=1:step=3:at=backward",
+            str(PATTERNS), "--pattern", "batches", "--slow-backward", "--steps", "6"]  # fmt: skip
+    result = run(args, tmp_path, timeout=120)
+    assert result.returncode == 1, result.output
+    assert "the world cannot shrink: rank 0: the data stream 'data' is drawn through " \
+        "session.batches()" in result.summary["message"]  # fmt: skip
+    saved = result.summary["jit_checkpoint"]
+    assert saved["path"] and saved["step"] == 3 and result.summary["resizes"] == []
+    assert result.elapsed < 60  # not a wait for a rank that is gone

@@ -197,7 +197,7 @@ def parked_at(job, step=3, stepped=(), pending=0, t=T0 + 1.1):
 def test_a_lost_node_without_a_spare_parks_the_survivors_for_a_shrink():
     job, orders = shrinking_job()
     assert job.state is S.RESIZING and job.resizing.phase is ResizePhase.PARKING
-    assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1]))]
+    assert sent(orders, Park) == [("all", Park(generation=1, replaced=[1], shrink=True))]
     assert job.resizing.survivors == [0, 2]
 
 
@@ -481,3 +481,17 @@ def test_a_spare_node_the_shrink_left_idle_grows_the_world_back_at_the_next_boun
     orders = job.on(Progress(rank=0, step=3), T0 + 1.4)
     assert job.resizing.plan.added == {1: 3} and job.resizing.why == "node 3 is idle"
     assert sent(orders, Pause) == [("all", Pause(generation=2, step=4))]
+
+
+def test_a_survivor_whose_world_cannot_shrink_says_so_as_it_parks_and_the_state_is_saved():
+    """Found at the park, before any survivor is told to resize (one told to resume at the
+    old size would wait for the lost ranks): the survivors save the state, the job stops."""
+    job, _ = shrinking_job()
+    orders = []
+    for rank in (0, 2):
+        orders += job.on(Parked(generation=1, rank=rank, position=Position(
+            step=3, state_step=3, log_from=2, keep_log=True, signatures={},
+            cannot_resize="the data stream 'data' is drawn through session.batches()")),
+            T0 + 1.1)  # fmt: skip
+    assert job.state is S.CHECKPOINTING and not sent(orders, Shrink)
+    assert any("cannot shrink: rank 0: the data stream" in line for line in said(orders))

@@ -788,3 +788,24 @@ def test_sharded_state_travels_as_its_local_shards():
     assert torch.equal(out["w"], torch.full((2,), 7.0)) and not is_dtensor(out["w"])
     assert torch.equal(out["nested"][0], torch.full((2,), 7.0)) and out["nested"][1] == {"step": 3}
     assert torch.equal(out["plain"], torch.ones(1))
+
+
+def test_a_world_whose_script_draws_its_shards_ahead_cannot_change_size():
+    """A batch drawn before its step at the old size would be trained at the new one."""
+    from xmig.worker.partition import BatchPolicy, GlobalPartition
+    from xmig.worker.resize import Resizer
+    from xmig.worker.shards import Shards
+
+    def resizer(draws_ahead: bool) -> Resizer:
+        stream = Shards(list(range(12)), GlobalPartition(12, 4, 0, BatchPolicy.GLOBAL, False),
+                        name="data", world_size=2, rank=0)  # fmt: skip
+        if draws_ahead:
+            next(stream)  # before the loop's first boundary
+        stream.at_boundary(0)
+        ctx = SimpleNamespace(groups=SimpleNamespace(all=lambda: []),
+                              registry=SimpleNamespace(streams={"data": stream}, ddp=None,
+                                                       model=lambda: None))  # fmt: skip
+        return Resizer(ctx, layout=None, verifier=None, make_group=None, on_world=None)
+
+    assert resizer(draws_ahead=False).why_not() is None
+    assert "draws ahead of its steps" in resizer(draws_ahead=True).why_not()

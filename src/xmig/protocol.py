@@ -171,6 +171,8 @@ class Position:
     # group -> step -> its logged ops' signatures, for each group but the world
     group_signatures: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     replicas: list[int] | None = None  # the ranks whose state is this rank's (None: all)
+    # why this rank's world could not change size (a shrink is then impossible)
+    cannot_resize: str | None = None
 
 
 # ---- worker → agent ------------------------------------------------------------------------
@@ -728,6 +730,7 @@ class SaveState(Message):
 class Park(Message):
     generation: int
     replaced: list[int]
+    shrink: bool = False  # the lost ranks are not replaced: each says if its world can shrink
 
 
 @message("rebuild", C, A, relay=Relay.ALL)

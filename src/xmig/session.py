@@ -89,6 +89,7 @@ class Session:
                 ctx.die(f"resize to {order.world_size} ranks failed: {type(exc).__name__}: {exc}")
 
         migration.why_not_resize, migration.on_resize = resizer.why_not, on_resize
+        survivor.why_not_resize = resizer.why_not
         survivor.pause_at = migration.pause_at
         self._loop = StepLoop(ctx, gate, layout, verifier, survivor, migration, replacement)
         if env.managed:

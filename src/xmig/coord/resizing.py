@@ -131,7 +131,7 @@ class Resizing:
                                "from": self.plan.old_world, "to": self.plan.new_world,
                                "step": self.step, "after_s": 0.0})  # fmt: skip
         if self.lost:
-            return [note, ToAll(Park(generation=self.generation, replaced=self.lost))]
+            return [note, ToAll(Park(generation=self.generation, replaced=self.lost, shrink=True))]
         orders: list[Order] = [note, ToAll(Pause(generation=self.generation, step=self.step))]
         if self.plan.added:  # their start, the long pole, overlaps the way to the pause
             orders.append(StartRanks(self.generation, dict(self.plan.added), self.plan.new_world))
@@ -280,6 +280,11 @@ class Resizing:
         collective: only the lost peers could end it."""
         states = {r: int(p.state_step) for r, p in self.positions.items()
                   if p.state_step is not None}  # fmt: skip
+        cannot = sorted((r, p.cannot_resize) for r, p in self.positions.items()
+                        if p.cannot_resize)  # fmt: skip
+        if cannot:  # found now, before any survivor is told to resize: the state is saved
+            rank, why = cannot[0]
+            return self.fail(f"the world cannot shrink: rank {rank}: {why}", now)
         early = sorted(set(self.positions) - set(states))
         if early:
             return self.fail(f"rank {early[0]} has not reached session.steps(): there is no "

@@ -27,6 +27,7 @@ from xmig.worker.data import Batches
 from xmig.worker.errors import RecoveryFailed, exit_now
 from xmig.worker.groups import WORLD, Groups
 from xmig.worker.layout import DdpLayout
+from xmig.worker.shards import Shards
 from xmig.worker.verify import Verifier
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ class Resizer:
             return (f"the script made process groups of its own ({', '.join(others)}): only "
                     "a world whose DDP trains over the default group can change size")  # fmt: skip
         for name, stream in ctx.registry.streams.items():
+            if isinstance(stream, Shards) and stream.pre_loop:
+                return (f"the data stream {name!r} was drawn before the step loop: the script "
+                        "draws ahead of its steps, and a batch drawn ahead at the old size "
+                        "would be trained at the new one (draw each step's batch in its "
+                        "step)")  # fmt: skip
             if isinstance(stream, Batches):
                 return (
                     f"the data stream {name!r} is drawn through session.batches(), whose "

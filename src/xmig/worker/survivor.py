@@ -66,6 +66,8 @@ class Survivor:
         self._current: object | None = None
         # a shrink pauses this rank where the step it rolls back starts again
         self.pause_at: Callable[[protocol.Pause], None] | None = None
+        # why this rank's world cannot change size (a shrink needs it to), None if it can
+        self.why_not_resize: Callable[[], str | None] = lambda: None
 
     def on_park(self, park: protocol.Park) -> None:
         """From the order consumer: recoveries run in turn on a thread of their own, which
@@ -177,7 +179,7 @@ class Survivor:
         if self._layout.root in park.replaced:
             self._finish_layout_locally()
         still_mine()
-        ctx.send(protocol.Parked(generation=generation, position=self.position(),
+        ctx.send(protocol.Parked(generation=generation, position=self.position(park.shrink),
                                  t=time.time()))  # fmt: skip
         plan = ctx.orders.plans.next(generation, ctx.env.recovery_timeout)
         if plan is None:
@@ -368,8 +370,9 @@ class Survivor:
             why = replay_divergence(exc.check.differ[0], plan.pulls)
             raise RecoveryFailed(f"--strict: {why}") from None
 
-    def position(self) -> protocol.Position:
-        """Where this rank stands, for the coordinator's choice of step, source and mode."""
+    def position(self, shrink: bool = False) -> protocol.Position:
+        """Where this rank stands, for the coordinator's choice of step, source and mode
+        (``shrink``: and whether its world can change size)."""
         ctx = self._ctx
         log_from = None
         if ctx.step is not None:
@@ -392,6 +395,7 @@ class Survivor:
             ddp_layout_source=self._layout.source,
             group_signatures={name: steps for name, steps in by_group.items() if steps},
             replicas=ctx.replicas(),
+            cannot_resize=self.why_not_resize() if shrink else None,
         )
 
     def _finish_layout_locally(self) -> None:
