@@ -12,7 +12,8 @@ known from the worker's authenticated connection) and the coordinator's orders t
 (``relay`` says to which of the node's workers: all of them, or the rank the order names).
 
 The channels between processes, all of them:
-- control connections (``xmig.wire``), launcher/CLI → coordinator, agent → coordinator,
+- control connections (``xmig.wire``), launcher/CLI → coordinator (which pushes the outcome,
+  and a node to start for ``xmig scale --add-node``, to the launcher), agent → coordinator,
   worker → its node's agent: the messages below, authenticated with the job's token;
 - the environment a worker starts with (``xmig.jobenv.WorkerEnv``: torchrun's variables and
   ``XMIG_*``), the launcher's to the coordinator and agents (``XMIG_TOKEN``, ``XMIG_JOB_ID``);
