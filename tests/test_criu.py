@@ -278,3 +278,133 @@ def test_old_criu_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert "CRIU 3.17.1" in text and "need >= 4.2" in text
     with pytest.raises(CriuError, match="need >= 4.2"):
         restore(tmp_path)
+
+
+# holds MIB MiB of random bytes untouched until "go" exists, then writes whether they are
+# still what they were
+HOLDER = """
+import hashlib, os, sys, time
+size = int(sys.argv[2]) << 20
+memory = bytearray(os.urandom(1 << 20)) * (size >> 20)
+digest = hashlib.sha256(memory).hexdigest()
+open("ready.tmp", "w").write(str(os.getpid()))
+os.replace("ready.tmp", "ready")
+while not os.path.exists("go"):
+    time.sleep(0.005)
+open("done.tmp", "w").write(str(hashlib.sha256(memory).hexdigest() == digest))
+os.replace("done.tmp", "done")
+time.sleep(60)
+"""
+
+
+def _holder(folder: Path, mib: int) -> tuple[subprocess.Popen[bytes], str]:
+    marker = f"xmigtest-{secrets.token_hex(4)}"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, marker, str(mib)], cwd=folder,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (folder / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the holder did not start"
+        time.sleep(0.01)
+    return proc, marker
+
+
+def _wait_file(path: Path, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} did not come within {timeout} s"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+@needs_criu
+def test_a_lazy_restore_hands_the_whole_memory_back(tmp_path: Path, measure) -> None:
+    proc, marker = _holder(tmp_path, 64)
+    images = tmp_path / "images"
+    try:
+        dump(proc.pid, images)
+        proc.wait(timeout=10)
+        stats = criu.dump_stats(images)
+        # CRIU's own account: the 64 MiB went into the images, the tree frozen meanwhile
+        assert stats["pages_written"] >= (64 << 20) // 4096, stats
+        assert stats["memwrite_s"] > 0 and 0 < stats["frozen_s"] < 60, stats
+        lazy = criu.LazyPages(images, timeout=30)
+        lazy.start()
+        started = time.monotonic()
+        assert restore(images, lazy=lazy) == proc.pid
+        restore_s = time.monotonic() - started
+        (tmp_path / "go").touch()
+        assert _wait_file(tmp_path / "done") == "True"  # every byte came back
+        assert lazy.wait() is None  # and the server ended once it had handed them over
+    finally:
+        _kill(proc.pid, marker)
+    measure(f"criu lazy restore of 64 MiB: {restore_s:.3f} s; dump stats {stats}")
+
+
+@needs_criu
+def test_a_lazily_restored_process_whose_pages_stop_coming_is_killed(tmp_path: Path) -> None:
+    from xmig.migrate.mover import _watch_lazy_pages
+
+    proc, marker = _holder(tmp_path, 64)
+    images = tmp_path / "images"
+    try:
+        dump(proc.pid, images)
+        proc.wait(timeout=10)
+        lazy = criu.LazyPages(images, timeout=1.0)
+        lazy.start()
+        assert lazy._process is not None
+        pid = restore(images, lazy=lazy)
+        os.kill(lazy._process.pid, signal.SIGSTOP)  # the server hangs: no page comes
+        (tmp_path / "go").touch()
+        _watch_lazy_pages(lazy, pid)  # it gives up after its timeout and kills the process
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}"):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            assert time.monotonic() < deadline, "the process was not killed"
+            time.sleep(0.02)
+        assert not (tmp_path / "done").exists()  # it never read its memory
+        assert not images.exists()  # the images went with it
+    finally:
+        _kill(proc.pid, marker)
+
+
+def test_dump_stats_are_read_from_criu_s_image(tmp_path: Path) -> None:
+    # a stats-dump image written by CRIU 4.2.1 (a 200 MB Python process)
+    raw = bytes.fromhex(
+        "4059105506330957290000000a2708860110"
+        "9ae30918d9a10820fb9007289c9e0330"
+        "0038b89d0340004800500858086000680070"
+        "00"
+    )
+    (tmp_path / "stats-dump").write_bytes(raw)
+    stats = criu.dump_stats(tmp_path)
+    assert stats == {"freezing_s": 134e-6, "frozen_s": 160154e-6, "memdump_s": 135385e-6,
+                     "memwrite_s": 116859e-6, "pages_written": 52920.0}  # fmt: skip
+    assert criu.dump_stats(tmp_path / "missing") == {}
+    (tmp_path / "stats-dump").write_bytes(raw[:10])
+    assert criu.dump_stats(tmp_path) == {}
+
+
+@needs_criu
+def test_the_mover_restores_a_process_without_gpu_state_lazily(tmp_path: Path) -> None:
+    from xmig.migrate.mover import ProcessMover
+
+    proc, marker = _holder(tmp_path, 32)
+    images = tmp_path / "images"
+    mover = ProcessMover(lazy=True)
+    try:
+        dumped = mover.checkpoint(proc.pid, images)
+        proc.wait(timeout=10)
+        assert dumped.criu_stats["pages_written"] >= (32 << 20) // 4096
+        restored = mover.restore(images, proc.pid, 0)
+        assert restored.lazy
+        (tmp_path / "go").touch()
+        assert _wait_file(tmp_path / "done") == "True"
+        deadline = time.monotonic() + 30  # the images go once every page is handed over
+        while images.exists():
+            assert time.monotonic() < deadline, "the images stayed"
+            time.sleep(0.02)
+    finally:
+        _kill(proc.pid, marker)

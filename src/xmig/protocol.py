@@ -571,6 +571,7 @@ class Dumped(Message):
     pid: int | None = None
     dump_s: float = 0.0
     image_bytes: int = 0
+    criu_stats: dict[str, float] = field(default_factory=dict)  # CRIU's account of the dump
     fds: dict[str, str] = field(default_factory=dict)
     gpu: str | None = None
     gpu_bytes: int = 0

@@ -505,6 +505,7 @@ class Agent:
         host_files = list(ready.host_files) if ready is not None else []
         result = dataclasses.replace(
             failed, ok=True, dump_s=done.dump_s, image_bytes=done.image_bytes, fds=fds,
+            criu_stats=done.criu_stats,
             gpu=worker.gpu, gpu_bytes=done.gpu_bytes, gpu_checkpoint_s=done.gpu_checkpoint_s,
             gpu_times=done.gpu_times, gpus_before=list(done.gpus_before),
             interface=done.interface, host_files=host_files, container=worker.container,
@@ -602,7 +603,8 @@ class Agent:
             transfer_s=transfer_s, gpu_times=done.gpu_times, to_gpu=done.to_gpu,
             own_pid=worker.own_pid,
         ))  # fmt: skip
-        shutil.rmtree(order.images, ignore_errors=True)  # the worker removes the rejoin file
+        if not done.lazy:  # (a lazy restore's go once its pages are all handed over)
+            shutil.rmtree(order.images, ignore_errors=True)  # the worker removes the rejoin file
 
     def _lose_node(self, event: NodeLoss) -> None:
         """An injected node loss: every process of this node dies at once, this agent too."""

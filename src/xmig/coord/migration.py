@@ -122,6 +122,7 @@ class Migration:
     restore_s: float = 0.0
     transfer_s: float = 0.0
     image_bytes: int = 0
+    criu_stats: dict[str, float] = field(default_factory=dict)  # CRIU's account of the dump
     restored_pid: int | None = None
     container: str | None = None  # container mode: the rank's container
     own_pid: int | None = None  # its PID as it saw it before (in its container: its own)
@@ -220,6 +221,7 @@ class Migration:
             if not event.ok:
                 return self.fail(f"checkpointing rank {self.rank} failed: {event.error}", now)
             self.dump_s, self.image_bytes = event.dump_s, event.image_bytes
+            self.criu_stats = dict(event.criu_stats)
             self.gpu_checkpoint_s, self.gpu = event.gpu_checkpoint_s, event.gpu
             self.gpu_bytes = event.gpu_bytes
             self.held_bytes, self.parked_bytes = event.held_bytes, event.parked_bytes
@@ -304,6 +306,7 @@ class Migration:
             "criu_dump_s": round(self.dump_s, 4),
             "criu_restore_s": round(self.restore_s, 4),
             "image_bytes": self.image_bytes,
+            "criu_dump_stats": {k: round(v, 4) for k, v in self.criu_stats.items()},
             "interface": self.interface,
             "gpu": self.gpu,
             "to_gpu": self.to_gpu,

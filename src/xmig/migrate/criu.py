@@ -272,6 +272,7 @@ def restore(
     timeout: float = 300.0,
     pid_wait: float = 5.0,
     inherit_fds: Mapping[int, str] | None = None,
+    lazy: LazyPages | None = None,
 ) -> int:
     """Restore the tree dumped in ``images_dir``; returns the PID of its root (the dumped one).
 
@@ -283,7 +284,9 @@ def restore(
     ``pid_wait`` seconds. ``inherit_fds`` maps a file descriptor of this process to a
     resource of the dumped tree (``pipe:[inode]``, ``socket:[inode]``, a path without its
     leading ``/``): the restored tree gets that descriptor instead (criu's own output is
-    captured, so its stdout cannot stand in). The log is ``images_dir/restore.log``.
+    captured, so its stdout cannot stand in). ``lazy``: a started ``LazyPages`` of these
+    images; the tree runs again before its memory is back, which it serves. The log is
+    ``images_dir/restore.log``.
     """
     criu = _require_criu()
     images = Path(images_dir).resolve()
@@ -293,6 +296,8 @@ def restore(
     pidfile = images / "restore.pid"
     argv = [criu, "restore", "-D", str(images), "-o", log.name, f"-v{LOG_LEVEL}", "-d"]
     argv += ["--pidfile", str(pidfile)]
+    if lazy is not None:
+        argv.append("--lazy-pages")
     if not detached:
         argv.append("--restore-sibling")
     if join_netns is not None:
@@ -319,6 +324,9 @@ def restore(
         taken = _PID_TAKEN_RE.search(_log_tail(log, 200))
         if taken is None:
             raise _failure(what, out, log)
+        if lazy is not None:  # a server hands one restore its pages: a new one for the next
+            lazy.stop()
+            lazy.start()
         if time.monotonic() + delay > deadline:
             err = _failure(what, out, log)
             raise CriuError(
@@ -333,6 +341,124 @@ def restore(
         return int(pidfile.read_text().strip())
     except (OSError, ValueError) as exc:
         raise CriuError(f"{what}: criu succeeded but wrote no PID to {pidfile}") from exc
+
+
+class LazyPages:
+    """``criu lazy-pages`` over one folder of images: it hands a lazily restored tree its
+    memory as the tree touches it (userfaultfd), and the rest behind, then exits.
+
+    Its end must be watched (``wait``): a tree whose server died before every page was
+    handed over would read zeros where its memory was, so the caller ends that tree.
+    """
+
+    def __init__(self, images_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> None:
+        self.images = Path(images_dir).resolve()
+        self.timeout = timeout
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_within: float = 10.0) -> None:
+        """Start the server; return once it listens (its socket is in the images' folder)."""
+        criu = _require_criu()
+        socket = self.images / "lazy-pages.socket"
+        socket.unlink(missing_ok=True)
+        argv = [criu, "lazy-pages", "-D", str(self.images), "-o", "lazy-pages.log",
+                f"-v{LOG_LEVEL}"]  # fmt: skip
+        self._process = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + ready_within
+        while not socket.exists():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise CriuError(f"criu lazy-pages for {self.images} did not start",
+                                log_tail=_log_tail(self.images / "lazy-pages.log"))  # fmt: skip
+            time.sleep(0.002)
+
+    def wait(self) -> str | None:
+        """Wait (up to ``timeout``) until every page is handed over; None when it was, else
+        what went wrong (the server is ended then)."""
+        if self._process is None:
+            return "criu lazy-pages was not started"
+        try:
+            code = self._process.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return f"criu lazy-pages had not handed every page over after {self.timeout:g} s"
+        if code != 0:
+            problem = _first_problem(_log_tail(self.images / "lazy-pages.log", 200))
+            return f"criu lazy-pages exited with {code}" + (f": {problem}" if problem else "")
+        return None
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
+_STATS_MAGIC = 8  # two 32-bit magics before the entry's size and the entry
+
+
+def dump_stats(images_dir: str | os.PathLike[str]) -> dict[str, float]:
+    """CRIU's own account of a dump (its ``stats-dump`` image): seconds the tree was being
+    frozen and stayed frozen, spent collecting and writing its memory, and the pages it wrote.
+    Empty when the file is missing or unreadable."""
+    try:
+        data = (Path(images_dir) / "stats-dump").read_bytes()
+    except OSError:
+        return {}
+    if len(data) < _STATS_MAGIC + 4:
+        return {}
+    size = int.from_bytes(data[_STATS_MAGIC : _STATS_MAGIC + 4], "little")
+    entry = _protobuf_fields(data[_STATS_MAGIC + 4 : _STATS_MAGIC + 4 + size])
+    dump = entry.get(1)
+    if not isinstance(dump, bytes):
+        return {}
+    fields = _protobuf_fields(dump)
+    # stats.proto's dump_stats_entry: times in microseconds
+    names = {1: "freezing_s", 2: "frozen_s", 3: "memdump_s", 4: "memwrite_s"}
+    stats: dict[str, float] = {
+        name: int(fields[number]) / 1e6
+        for number, name in names.items()
+        if isinstance(fields.get(number), int)
+    }
+    if isinstance(fields.get(7), int):
+        stats["pages_written"] = float(fields[7])
+    return stats
+
+
+def _protobuf_fields(data: bytes) -> dict[int, int | bytes]:
+    """The varint and length-delimited fields of one protobuf message (the last of each
+    number); stops at anything else."""
+    fields: dict[int, int | bytes] = {}
+    at = 0
+
+    def varint() -> int:
+        nonlocal at
+        value, shift = 0, 0
+        while at < len(data):
+            byte = data[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return value
+            shift += 7
+        raise ValueError("truncated varint")
+
+    try:
+        while at < len(data):
+            key = varint()
+            number, kind = key >> 3, key & 7
+            if kind == 0:
+                fields[number] = varint()
+            elif kind == 2:
+                length = varint()
+                fields[number] = data[at : at + length]
+                at += length
+            else:
+                break
+    except ValueError:
+        pass
+    return fields
 
 
 def _pid_hint(pid: int) -> str:
