@@ -3,6 +3,7 @@ driven by hand-made clients, an Agent's message intake called directly."""
 
 import queue
 import threading
+from datetime import timedelta
 
 import pytest
 
@@ -129,3 +130,16 @@ def test_the_agent_rejects_what_it_does_not_know_and_names_the_sender_of_reports
     agent._on_coord_push(encode(Park(generation=1, replaced=[0])))
     agent._on_coord_lost()
     assert drain(agent) == [Park(generation=1, replaced=[0]), CoordLost()]
+
+
+def test_the_store_serves_on_the_port_said_before_it_was_up(coordinator):
+    coord, _, _ = coordinator
+    import torch.distributed as dist
+
+    # the port is known at once (the ready line carries it); the store comes up on its thread
+    port = coord.spec.master_port
+    assert port == coord._store_socket.getsockname()[1]
+    assert coord.store_ready.wait(60), "the store did not come up"
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("key", "value")
+    assert coord.store.get("key") == b"value"

@@ -169,7 +169,7 @@ def _wrapped(tmp_path, patch):
 
 @pytest.mark.parametrize("patch, needle", [
     (CORRUPT_IN_TRANSIT, "is not what it sent"),
-    (DIVERGE_AFTER_LOADING, "parameters differ at step"),
+    pytest.param(DIVERGE_AFTER_LOADING, "parameters differ at step", marks=pytest.mark.long),
 ], ids=["altered-in-transit", "replicas-diverge"])  # fmt: skip
 def test_a_wrong_state_stops_the_job(tmp_path, patch, needle):
     """The replacement's state is altered on the wire (its digest differs from the one the

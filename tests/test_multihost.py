@@ -176,6 +176,8 @@ def test_a_host_told_to_go_leaves_and_the_job_goes_on(hosts, tmp_path, tmp_path_
     assert_all_gone(summary)
 
 
+# (long: test_etcd.py's leaders' deaths and the lost host above cover its parts in CI)
+@pytest.mark.long
 @needs_root
 @needs_etcd
 def test_hosts_on_an_ha_control_plane_lose_the_leaders_whole_host(

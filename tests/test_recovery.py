@@ -59,8 +59,13 @@ def sample(values, keep):
     return [pytest.param(v, marks=() if v == keep else pytest.mark.long) for v in values]
 
 
+# CI's sample: a kill of rank 0 in the backward at world 2, of the last rank in the optimizer
+# at world 3 (the fault matrix and the other tests here kill at the other points)
+CI_KILLS = {("zero", "backward", 2), ("last", "optimizer", 3)}
+
+
 def _in_ci(victim: str, point: str, world: int) -> bool:
-    return (victim == "last") == (world == 3) == (POINTS.index(point) % 2 == 0)
+    return (victim, point, world) in CI_KILLS
 
 
 KILLS = [
@@ -83,7 +88,8 @@ def test_kill(tmp_path, tmp_path_factory, measure, world, point, victim):
     check_records(summary, [rank], measure, f"{spec} (world {world})")
 
 
-@pytest.mark.parametrize("world", sample(WORLDS, keep=2))
+# an exit is recovered as a kill is (test_kill); the fault matrix draws exits in CI
+@pytest.mark.parametrize("world", sample(WORLDS, keep=None))
 def test_exit(tmp_path, tmp_path_factory, measure, world):
     spec = "exit:rank=1:step=2:at=backward:code=7"
     _, summary = recover(tmp_path, tmp_path_factory, world, [spec])
@@ -92,7 +98,9 @@ def test_exit(tmp_path, tmp_path_factory, measure, world):
     check_records(summary, [1], measure, f"{spec} (world {world})")
 
 
-@pytest.mark.parametrize("world", sample(WORLDS, keep=3))
+# CI retries in place through test_raise_between_many_buckets and the collective that fails
+# after its launch
+@pytest.mark.parametrize("world", sample(WORLDS, keep=None))
 def test_raise_is_retried_in_place(tmp_path, tmp_path_factory, measure, world):
     spec = "raise:rank=1:step=4:at=backward"
     _, summary = recover(tmp_path, tmp_path_factory, world, [spec])

@@ -63,6 +63,7 @@ CHECK_INTERVAL_S = 0.1  # how often deadlines and agents' silence are checked
 # the leader's lease: a leader that dies is succeeded within about this long
 LEADER_TTL_S = 2
 LOST_LEAD_EXIT_CODE = 4
+STORE_FAILED_EXIT_CODE = 5  # the job's c10d store could not start
 REPLY_TIMEOUT_S = 30.0  # how long a request waits for the decision thread
 # an agent that reads nothing of an order for this long is cut off (its node is then lost):
 # the decision thread, which sends every order, is never held longer by one peer
@@ -94,21 +95,13 @@ class Coordinator:
     """Hosts the job's store and control server; applies events to the ``Job`` in order."""
 
     def __init__(self, spec: JobSpec, token: str, restart: int = 0) -> None:
-        import torch.distributed as dist  # only the coordinator and workers load torch
-
         # c10d's store listens on every interface unless handed a socket: bound to the job's
         # address only, so that only the job's hosts reach it
         self._store_socket = listening_socket(spec.master_addr, spec.master_port)
-        self.store = dist.TCPStore(
-            spec.master_addr,
-            self._store_socket.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=300),
-            master_listen_fd=self._store_socket.fileno(),
-            use_libuv=True,
-        )
-        self.spec = dataclasses.replace(spec, master_port=self.store.port)
+        self.spec = dataclasses.replace(spec, master_port=self._store_socket.getsockname()[1])
+        self.store: Any = None
+        self.store_ready = threading.Event()
+        threading.Thread(target=self._host_store, name="xmig-store", daemon=True).start()
         self.token = token
         # when this run was launched (``LAUNCHED_AT``): an ended job's outcome in etcd is
         # this run's if it ended later (a standby started near the end is still this run's)
@@ -142,6 +135,31 @@ class Coordinator:
         self._lock = threading.Lock()  # launchers and summary, read by connection threads
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self.finished = threading.Event()
+
+    def _host_store(self) -> None:
+        """Serve the job's c10d store on its socket. Loading torch for it takes the
+        coordinator about 2 s: done here, the job's agents and workers start meanwhile (a
+        worker needs the store only at its rendezvous; a connection made before the store
+        serves waits in the socket's backlog). A store that cannot start ends the
+        coordinator: no rank could meet the others."""
+        try:
+            import torch.distributed as dist  # only the coordinator and workers load torch
+
+            self.store = dist.TCPStore(
+                self.spec.master_addr,
+                self._store_socket.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=300),
+                master_listen_fd=self._store_socket.fileno(),
+                use_libuv=True,
+            )
+        except Exception as exc:  # any failure: the job cannot run
+            log.error("the job's store could not be started on %s:%d: %s",
+                      self.spec.master_addr, self.spec.master_port, exc)  # fmt: skip
+            logging.shutdown()
+            os._exit(STORE_FAILED_EXIT_CODE)
+        self.store_ready.set()
 
     @property
     def address(self) -> str:
