@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from xmig.agent.agent import set_worker_defaults
+from xmig.agent.agent import AdoptedProcess, Worker, set_worker_defaults, workers_starting
 from xmig.agent.spare import READY_FD
 from xmig.agent.spares import Spare, SparePool, spare_may_start
 from xmig.jobspec import JobSpec
@@ -27,6 +27,19 @@ def test_spare_warms_up_beside_starting_workers_only_where_cores_allow(
     cores, workers, spares, starting, expected
 ):
     assert spare_may_start(cores, workers, spares, starting) is expected
+
+
+def test_a_worker_is_starting_until_it_has_begun_a_step():
+    def worker(state, step):
+        return Worker(rank=0, local_rank=0, proc=AdoptedProcess(1), pidfd=-1, attempt=0,
+                      state=state, step=step)  # fmt: skip
+
+    assert workers_starting([worker("starting", None)])  # not yet said hello
+    assert workers_starting([worker("running", 3), worker("running", None)])  # no step yet
+    assert not workers_starting([worker("running", 0), worker("running", 5)])
+    # a worker that is gone or on its way out does not hold the spare back
+    assert not workers_starting([worker("exited", None), worker("faulted", None)])
+    assert not workers_starting([])
 
 
 # a stand-in for ``python -m xmig.agent.spare`` (no torch): says it is ready when told to by

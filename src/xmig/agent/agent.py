@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,6 +229,14 @@ def describe_exit(returncode: int) -> tuple[str, str]:
             name = f"signal {-returncode}"
         return "signal", name
     return "exit", f"exit code {returncode}"
+
+
+def workers_starting(workers: Iterable[Worker]) -> bool:
+    """Whether a worker of these is still starting: it is up once it has begun a step.
+    Before that it loads torch, builds its model and meets its peers, all of which a spare's
+    warm-up would slow on a small node (``spares.spare_may_start``)."""
+    return any(w.state == "starting" or (w.state == "running" and w.step is None)
+               for w in workers)  # fmt: skip
 
 
 class Agent:
@@ -461,7 +469,7 @@ class Agent:
                     return 1
                 continue  # no heartbeat kills a rank that writes its state, no spare starts
             self._check_heartbeats()
-            starting = any(w.state == "starting" for w in self.workers.values())
+            starting = workers_starting(self.workers.values())
             self.spares.keep(self.job.cwd, len(self.workers), starting)
 
     def _keep_alive(self) -> None:

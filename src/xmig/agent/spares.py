@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 def spare_may_start(cores: int, workers: int, spares_wanted: int, workers_starting: bool) -> bool:
     """Whether a spare may start its warm-up now. On a node with cores for every worker and
     spare, spares warm up beside the starting workers (ready sooner, on a GPU node about the
-    time training begins); on a smaller one they wait until the workers are up, so as not to
-    slow the workers' own start."""
+    time training begins); on a smaller one they wait until the workers are up (each has begun
+    a step), so as not to slow the workers' own start."""
     return not workers_starting or cores >= CORES_PER_PROCESS * (workers + spares_wanted)
 
 
