@@ -166,21 +166,22 @@ def test_a_node_added_after_a_shrink_grows_the_world_as_planned_resizes_would(
 ):
     """3 simulated hosts, no spare: node 1 is lost in step 4 and the world shrinks to 2; the
     process launched as rank 2 (rank 1 since) is killed in step 6 and replaced at world 2;
-    a node is added as the job reaches step 8 (``add-node``, as ``xmig scale --add-node``
-    does) and the world grows back to 3 onto it, its new rank pulling the state. The run
-    ends bit-identical to the fault-free run with planned resizes to 2 at step 4 and back
-    to 3 at the grow's step."""
+    a node is added as the job reaches step 10 (``add-node``, as ``xmig scale --add-node``
+    does: started two steps ahead, at step 8, so after the kill's recovery: a fault while a
+    grow waits for its step stops the job) and the world grows back to 3 onto it, its new
+    rank pulling the state. The run ends bit-identical to the fault-free run with planned
+    resizes to 2 at step 4 and back to 3 at the grow's step."""
     result = run(shards_job("--on-no-spare", "shrink",
                             "--inject", "node:rank=1:step=4:at=backward",
-                            "--inject", "kill:rank=2:step=6", "--inject", "add-node:step=8",
-                            script=("--steps", "12", "--step-sleep", "0.3")),
+                            "--inject", "kill:rank=2:step=6", "--inject", "add-node:step=10",
+                            script=("--steps", "14", "--step-sleep", "0.3")),
                  tmp_path, timeout=240)  # fmt: skip
     assert result.returncode == 0, result.output
     summary = result.summary
     shrink, grow = summary["resizes"]
     assert shrink["what"] == "shrunk from 3 to 2 at step 4 (node lost)"
     step = grow["step"]
-    assert grow["cause"] == "node added" and step >= 8
+    assert grow["cause"] == "node added" and step >= 10
     assert grow["added"] == {"2": 3} and summary["added_nodes"] == [3]
     assert grow["replicas_equal"] is True
     assert summary["world_sizes"] == [[0, 3], [4, 2], [step, 3]]
@@ -192,7 +193,7 @@ def test_a_node_added_after_a_shrink_grows_the_world_as_planned_resizes_would(
     assert summary["worker_nodes"] == {"0": 0, "1": 2, "2": 3}
     assert summary["unfired_faults"] == []
     planned = shards_job("--inject", "resize:world=2:step=4", "--inject",
-                         f"resize:world=3:step={step}", script=("--steps", "12"))  # fmt: skip
+                         f"resize:world=3:step={step}", script=("--steps", "14"))  # fmt: skip
     expected = fault_free_sha256(planned, tmp_path_factory)
     assert summary["final_params_sha256"] == expected, "not the planned resizes' run"
 
