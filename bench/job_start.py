@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,15 +38,17 @@ def one_run(src: Path, nproc: int) -> tuple[float, float]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=REPO, start_new_session=True)  # fmt: skip
     first = None
+    # a job that hangs silently is ended by this timer (its whole process group, by PID)
+    watchdog = threading.Timer(RUN_TIMEOUT_S, os.killpg, (proc.pid, 9))
+    watchdog.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             if first is None and "step 0 loss" in line:
                 first = time.monotonic() - started
-            if time.monotonic() - started > RUN_TIMEOUT_S:
-                raise RuntimeError(f"a run took over {RUN_TIMEOUT_S:g} s")
         code = proc.wait(timeout=RUN_TIMEOUT_S)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
