@@ -40,8 +40,16 @@ def _rank(rank: int, world: int, port: int, how: str, case: str, out: Any) -> No
     try:
         _measure(rank, world, port, how, case, out)
     except Exception as exc:  # the report says where it broke (an API this torch lacks)
-        out.put((rank, {"error": f"{type(exc).__name__}: {exc}"[:300]}))
-        os._exit(1)
+        _report_and_exit(out, rank, {"error": f"{type(exc).__name__}: {exc}"[:300]}, 1)
+
+
+def _report_and_exit(out: Any, rank: int, result: Any, code: int) -> None:
+    """Put the result and end at once (NCCL's teardown is not measured): the queue's feeder
+    thread must have flushed it first, or ``os._exit`` loses it."""
+    out.put((rank, result))
+    out.close()
+    out.join_thread()
+    os._exit(code)
 
 
 def _measure(rank: int, world: int, port: int, how: str, case: str, out: Any) -> None:
@@ -71,8 +79,7 @@ def _measure(rank: int, world: int, port: int, how: str, case: str, out: Any) ->
             pg.shutdown()  # as every rank does at xmig's pause
         else:
             store.wait(["done0"])  # a shrink's excluded rank takes no part
-        out.put((rank, None))
-        os._exit(0)
+        _report_and_exit(out, rank, None, 0)
     if case == "lost":
         time.sleep(0.5)  # its process is gone by now
     probe.fill_(1.0)
@@ -98,8 +105,7 @@ def _measure(rank: int, world: int, port: int, how: str, case: str, out: Any) ->
         result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     if rank == 0:
         store.set("done0", "1")
-    out.put((rank, result))
-    os._exit(0)  # NCCL's teardown is not what is measured
+    _report_and_exit(out, rank, result, 0)
 
 
 def once(world: int, how: str, case: str) -> dict[str, Any]:

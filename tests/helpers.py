@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -156,6 +157,18 @@ def finish_bit_identical(proc: subprocess.Popen, tmp_path: Path, seen: str, expe
 def run(args: list[str], tmp_path: Path, timeout: float = 180.0, env: dict | None = None) -> Result:
     """``xmig run --summary … ARGS``, bounded; asserts afterwards that no process remains."""
     return finish_run(start_run(args, tmp_path, env), tmp_path, timeout)
+
+
+def resume_printed(output: str, tmp_path: Path, timeout: float = 180.0) -> Result:
+    """Run the resume command a stopped job printed (``xmig: resume with: …``), in a folder
+    of its own under ``tmp_path`` (``resumed``), its summary the test's, not the job's."""
+    (line,) = [x for x in output.splitlines() if x.startswith("xmig: resume with: ")]
+    command = shlex.split(line.removeprefix("xmig: resume with: "))[2:]
+    where = command.index("--summary")
+    del command[where : where + 2]
+    folder = tmp_path / "resumed"
+    folder.mkdir()
+    return run(command, folder, timeout)
 
 
 def write_script(tmp_path: Path, body: str, name: str = "worker.py") -> str:

@@ -761,10 +761,35 @@ def test_an_agent_lost_mid_migration_stops_the_job():
     assert job.state is S.STOPPING and job.reason == "the agent of node 2 was lost"
 
 
-def test_a_fault_during_a_migration_stops_the_job():
+def test_a_fault_during_a_migration_with_nowhere_to_save_stops_the_job():
     job, _ = migrating_job()
     job.on(kill(0), T0)
     assert job.state is S.STOPPING and job.reason == "a fault hit during the migration"
+
+
+def test_a_fault_while_the_world_pauses_for_a_migration_saves_from_every_rank_left():
+    # rank 1, the one to move, is still at its boundary with its tensors (it gives them back
+    # as it parks): it holds the state as every other rank does
+    job, _ = migrating_job(checkpoint_dir="/ck")
+    job.on(Paused(generation=1, step=4, rank=1, stop_s=0.1, park_s=0.05), T0)
+    orders = job.on(kill(0), T0 + 0.1)
+    assert job.state is S.CHECKPOINTING and job.reason == "a fault hit during the migration"
+    assert job.checkpoint.holders == [1]
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[0]))]
+    assert "saving a just-in-time checkpoint from ranks [1]" in said(orders)
+
+
+def test_a_fault_while_a_rank_is_being_moved_saves_from_the_ranks_not_in_flight():
+    job = running_job(nnodes=3, spare_nodes=1, checkpoint_dir="/ck")
+    job.on(MigrateRequest(rank=1, to=3), T0)
+    job.on(Prepared(generation=1, ok=True, room_bytes=3, step=3, rank=1), T0)
+    for rank in range(3):
+        job.on(Paused(generation=1, step=4, rank=rank), T0 + 0.1)
+    assert job.migration.phase is MigrationPhase.DUMPING
+    orders = job.on(kill(2), T0 + 0.2)
+    # rank 1 is frozen, or on its way to node 3: rank 0 alone holds the state it can write
+    assert job.state is S.CHECKPOINTING and job.checkpoint.holders == [0]
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1, 2]))]
 
 
 def test_the_pause_gets_the_whole_deadline_after_the_room_is_made():

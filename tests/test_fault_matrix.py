@@ -6,12 +6,11 @@ so. CI draws a few examples, the same ones each time; ``XMIG_MATRIX_EXAMPLES=N``
 random ones (``bench/soak.py`` runs hundreds)."""
 
 import os
-import shlex
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from helpers import DEMO, FAST, fault_free_sha256, run
+from helpers import DEMO, FAST, fault_free_sha256, resume_printed, run
 
 STEPS = 7
 JOB = [str(DEMO), "--preset", "tiny", "--steps", str(STEPS), "--quiet"]
@@ -71,13 +70,7 @@ def check_outcome(ranks, faults, tmp_path, tmp_path_factory):
         )
         return "nothing to save"
     assert saved["complete"], f"{faults}: {saved}"
-    (line,) = [x for x in result.output.splitlines() if x.startswith("xmig: resume with: ")]
-    command = shlex.split(line.removeprefix("xmig: resume with: "))[2:]
-    where = command.index("--summary")
-    del command[where : where + 2]
-    folder = tmp_path / "resumed"
-    folder.mkdir()
-    resumed = run(command, folder, timeout=240)
+    resumed = resume_printed(result.output, tmp_path, timeout=240)
     assert resumed.returncode == 0, resumed.output
     assert resumed.summary["final_params_sha256"] == expected, f"{faults}: resume differs"
     return "resumed"

@@ -45,11 +45,14 @@ class FakeGate:
 
 
 class FutureWork(dist.Work):
-    """A work whose future fails as a broken communicator's does (``value()`` raises)."""
+    """A work whose future fails as a broken communicator's does (``value()`` raises); or,
+    with ``error`` set, whose future holds the outputs while the work itself has failed, as
+    NCCL's do when a peer is lost after the launch (its futures complete at launch)."""
 
     def __init__(self, future):
         super().__init__()
         self._future = future
+        self.error = None
 
     def get_future(self):
         return self._future
@@ -57,8 +60,13 @@ class FutureWork(dist.Work):
     def is_completed(self):
         return self._future.done()
 
+    def exception(self):
+        return None if self.error is None else RuntimeError(self.error)
+
     def wait(self, timeout=None):
         self._future.wait()
+        if self.error is not None:
+            raise RuntimeError(self.error)
         return True
 
 
@@ -70,15 +78,19 @@ class Controlled:
 
     def allreduce(self, tensors, opts=None):
         future = torch.futures.Future()
-        self.futures.append((future, tensors))
-        return FutureWork(future)
+        work = FutureWork(future)
+        self.futures.append((future, tensors, work))
+        return work
 
-    def end(self, index, error=None):
-        future, tensors = self.futures[index]
-        if error is not None:
+    def end(self, index, error=None, in_work=False):
+        """End op ``index``; ``error``: it failed, in its future or (``in_work``) in its work
+        only, its future holding the outputs."""
+        future, tensors, work = self.futures[index]
+        if error is not None and not in_work:
             future.set_exception(RuntimeError(error))
-        else:
-            future.set_result(tensors)
+            return
+        work.error = error
+        future.set_result(tensors)
 
 
 def _gated_proxy():
@@ -151,6 +163,50 @@ def test_a_failed_op_keeps_its_gate_shut_until_the_replay_puts_its_result_in():
     assert gates[0].releases == [1] and not proxy.gates_closed()
     assert tensor.tolist() == [2.0, 2.0, 2.0]  # the logged input, all-reduced over one rank
     assert proxy.first_closed() is None
+
+
+def _host_proxy():
+    comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    proxy = ProxyProcessGroup(comm)
+    backend = Controlled()
+    comm.backend = backend
+    return proxy, backend
+
+
+def test_an_op_whose_work_failed_under_a_complete_future_is_a_fault_not_a_result():
+    """NCCL completes an op's future at its launch; a peer lost afterwards fails the work
+    alone. The proxy must not hand the framework that op's output as its result (nor let
+    its waiter die on it, leaving the framework's future unset for good): it halts, reports
+    the fault, and the replay completes the op."""
+    proxy, backend = _host_proxy()
+    troubles = []
+    proxy.on_trouble = troubles.append
+    proxy.begin_step(3)
+    tensor = torch.full((2,), 5.0)
+    work = _allreduce(proxy, tensor)
+    tensor.fill_(9.0)  # what a broken in-place op left
+    backend.end(0, error="remote process exited", in_work=True)
+    _until(lambda: proxy.halted)
+    assert troubles == ["remote process exited"]
+    assert not work.get_future().done()  # the framework still waits
+    assert proxy.pending()[0].state == "failed" and proxy._waiter.is_alive()
+    proxy.halt()
+    fresh = Communicator("gloo", "world", 1, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    proxy.switch(fresh)
+    replay_groups([proxy], 3, timeout=10.0)
+    _until(lambda: work.get_future().done())
+    assert tensor.tolist() == [5.0, 5.0]  # the logged input, all-reduced over one rank
+
+
+def test_a_gated_op_whose_work_failed_keeps_its_gate_shut():
+    proxy, backend, gates = _gated_proxy()
+    troubles = []
+    proxy.on_trouble = troubles.append
+    proxy.begin_step(1)
+    _allreduce(proxy, torch.ones(2))
+    backend.end(0, error="remote process exited", in_work=True)
+    _until(lambda: proxy.halted)
+    assert troubles and gates[0].releases == [] and proxy.gates_closed()
 
 
 def test_a_rollback_opens_the_gate_of_a_pending_op_with_the_ranks_own_input():

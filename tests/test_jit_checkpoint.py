@@ -379,3 +379,28 @@ def test_a_lost_agent_saves_the_other_nodes_ranks(tmp_path, tmp_path_factory):
     resumed = resume(command, tmp_path)
     assert resumed.returncode == 0, resumed.output
     assert resumed.summary["final_params_sha256"] == expected
+
+
+EXACT = REPO / "tests" / "scripts" / "resize_exact.py"
+
+
+def test_a_fault_while_the_world_waits_to_resize_saves_the_paused_ranks_state(tmp_path):
+    """3 ranks are to shrink to 2 at step 4's start; rank 0 hangs at step 3's update, after
+    that step's collectives, so ranks 1 and 2 pause at step 4 holding its state and wait
+    there until the hang is found (2 s). The resize fails and the job stops, the paused
+    ranks saving that state (a job whose resize or migration failed stopped with nothing
+    saved, and a paused rank could not park to save). Resumed, the job ends with the exact
+    weight of the fault-free run (``resize_exact.py``: a sample lost, repeated or misweighed
+    changes it)."""
+    out = tmp_path / "w.json"
+    args = ["--nproc-per-node", "3", *FAST, "--inject", "resize:world=2:step=4",
+            "--inject", "hang:rank=0:step=3:at=optimizer", str(EXACT), "--steps", "8",
+            "--out", str(out), "--step-sleep", "0.05"]  # fmt: skip
+    result = run(args, tmp_path)
+    assert "fault during a resize" in result.output, result.output
+    assert "saving a just-in-time checkpoint from ranks [1, 2]" in result.output
+    _folder, command = stopped_with_checkpoint(result, step=4)
+    resumed = resume(command, tmp_path)
+    assert resumed.returncode == 0, resumed.output
+    assert json.loads(out.read_text()) == {"w": -sum(6 * s + 2.5 for s in range(8)),
+                                           "world_size": 3}  # fmt: skip

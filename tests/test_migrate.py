@@ -11,7 +11,7 @@ from xmig.coord.migration import DOWNTIME_PHASES, PHASES
 from xmig.migrate import criu_status
 from xmig.paths import parking_files
 
-from helpers import DEMO, finish_run, run, start_run, xmig
+from helpers import DEMO, finish_run, resume_printed, run, start_run, xmig
 
 STEPS = 6
 LIVE_STEPS = 16  # jobs that CLI commands talk to while they run: slack for a loaded machine
@@ -149,3 +149,25 @@ def test_bad_migrations_are_refused_and_the_job_goes_on(tmp_path, tmp_path_facto
     assert summary["migrations"] == [] and summary["faults"] == []
     assert all(len(pids) == 1 for pids in summary["worker_pids"].values())
     assert summary["final_params_sha256"] == reference_hash(2, tmp_path_factory, LIVE_STEPS)
+
+
+def test_a_fault_while_the_world_pauses_for_a_move_saves_the_state(tmp_path, tmp_path_factory):
+    """3 simulated hosts and a spare: rank 1 is to move at step 3, and rank 2 is killed as it
+    pauses (at step 4 or 5: the pause's step depends on when the room is made). The move is
+    given up and the ranks left save the state, rank 1 taking its parked tensors back first
+    (a failed migration stopped the job with nothing saved); the resumed run ends bit for
+    bit where the fault-free run does."""
+    steps = STEPS
+    args = ["--nnodes", "3", "--nproc-per-node", "1", "--spare-nodes", "1", "--simulate-hosts",
+            "--hot-spares", "0", "--inject", "migrate:rank=1:step=3",
+            "--inject", "kill:rank=2:step=4:at=pause", "--inject", "kill:rank=2:step=5:at=pause",
+            str(DEMO), "--steps", str(steps), "--quiet", "--step-sleep", "0.3"]  # fmt: skip
+    result = run(args, tmp_path)
+    assert result.returncode == 1, result.output
+    assert "fault during a migration" in result.output
+    saved = result.summary["jit_checkpoint"]
+    assert saved["path"] and saved["complete"] and saved["step"] in (4, 5), saved
+    resumed = resume_printed(result.output, tmp_path)
+    assert resumed.returncode == 0, resumed.output
+    expected = reference_hash(3, tmp_path_factory, steps=steps)
+    assert resumed.summary["final_params_sha256"] == expected

@@ -38,11 +38,17 @@ def test_defaults_and_collective():
         ("kill:rank=0:rank=1:step=1", "given twice"),
         ("kill:rank0:step=1", "expected key=value"),
         ("exit:rank=0:step=1:code=300", "<= 255"),
+        ("raise:rank=0:step=4:at=pause", "cannot be injected into a pause"),
     ],
 )
 def test_malformed(text, reason):
     with pytest.raises(FaultSpecError, match=reason):
         parse_fault(text)
+
+
+def test_a_fault_at_a_pause():
+    spec = parse_fault("kill:rank=2:step=5:at=pause")
+    assert spec.at == "pause" and str(spec) == "kill:rank=2:step=5:at=pause"
 
 
 def test_rank_outside_world():

@@ -18,6 +18,7 @@ from xmig import protocol
 from xmig.agent.link import handle_push
 from xmig.ccl import Communicator
 from xmig.faults import FaultSpec
+from xmig.faults.injector import Injector
 from xmig.paths import parking_files
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
 from xmig.worker.errors import RecoveryFailed
@@ -57,7 +58,7 @@ def test_a_forbidden_transition_raises(left, to):
 
 
 def test_forbidden_transitions_include_these():
-    for left, to in [(P.JOINING, P.PARKED), (P.PAUSED, P.PARKED), (P.FINISHED, P.TRAINING),
+    for left, to in [(P.JOINING, P.PARKED), (P.PARKED, P.PAUSED), (P.FINISHED, P.TRAINING),
                      (P.MOVING, P.TRAINING), (P.STARTING, P.FINISHED), (P.TRAINING, P.JOINING),
                      (P.TRAINING, P.TRAINING)]:  # fmt: skip
         assert (left, to) in FORBIDDEN
@@ -394,7 +395,8 @@ def _migration(objects=None, job_id="j", generation=0):
                                               generation=generation),
                           groups=SimpleNamespace(proxies=lambda: [], all=lambda: []),
                           registry=SimpleNamespace(objects=objects or {}), backend="gloo",
-                          phase=SimpleNamespace(move=lambda _phase: None))  # fmt: skip
+                          phase=SimpleNamespace(move=lambda _phase: None),
+                          injector=Injector(0, announce=lambda _spec: None))  # fmt: skip
     return Migration(ctx), sent, orders
 
 
@@ -648,6 +650,17 @@ def test_a_shutdown_that_fails_or_does_not_return_falls_back_to_the_abort(proxy)
         assert backend.calls == ["shutdown", "abort"]
         assert time.monotonic() - started < 3.0  # bounded by the timeout, not the hang
     release.set()
+
+
+def test_a_communicator_aborted_already_is_not_shut_down_at_the_pause(proxy):
+    # a shrink's survivors abort the communicator of the lost peer, then pause: a shutdown
+    # would wait for that peer until its timeout (10 s on the GPU)
+    backend = _Closable(lambda: time.sleep(30))
+    proxy.communicator.kind, proxy.communicator.backend = "nccl", backend
+    proxy.abort_communicator(wait=True)
+    started = time.monotonic()
+    assert proxy.release_communicator() == "abort"
+    assert backend.calls == ["abort"] and time.monotonic() - started < 1.0
 
 
 def test_gloo_has_nothing_to_release(proxy):

@@ -77,7 +77,11 @@ class Session:
             migration.give_back()  # a rank paused for its move has parked its tensors
             survivor.on_save(order)
 
-        ctx.orders = Orders(ctx.rank, on_park=survivor.on_park, on_pause=migration.on_pause,
+        def on_park(order: protocol.Park) -> None:
+            migration.give_back()  # (a fault ended the move: its state is saved from here)
+            survivor.on_park(order)
+
+        ctx.orders = Orders(ctx.rank, on_park=on_park, on_pause=migration.on_pause,
                             on_save=on_save, on_store=ctx.store_restarted,
                             on_prepare=migration.on_prepare)  # fmt: skip
         resizer = Resizer(ctx, layout, verifier, self._make_group, self._on_world)

@@ -147,7 +147,7 @@ TRANSITIONS: dict[JobState, set[JobState]] = {
     S.RUNNING: {S.SETTLING, S.MIGRATING, S.RESIZING, S.STOPPING, S.COMPLETED},
     S.SETTLING: {S.RECOVERING, S.RESIZING, S.CHECKPOINTING, S.STOPPING},
     S.RECOVERING: {S.RUNNING, S.RECOVERING, S.CHECKPOINTING, S.STOPPING},  # again: a retry
-    S.MIGRATING: {S.RUNNING, S.STOPPING},
+    S.MIGRATING: {S.RUNNING, S.CHECKPOINTING, S.STOPPING},  # a migration given up saves
     S.RESIZING: {S.RUNNING, S.CHECKPOINTING, S.STOPPING},  # a shrink given up saves
     S.CHECKPOINTING: {S.STOPPING},
     S.STOPPING: {S.FAILED},
@@ -326,12 +326,14 @@ class Job:
         before, self.state = self.state, state
         return [Note("job", {"from": before.value, "to": state.value})]
 
-    def _follow(self, orders: list[Order], now: float) -> list[Order]:
-        """Carry a recovery's or migration's verdict into the job's own state."""
+    def _follow(self, orders: list[Order], now: float, lost: list[int] | None = None
+                ) -> list[Order]:  # fmt: skip
+        """Carry a recovery's or migration's verdict into the job's own state (``lost``: the
+        ranks a fault that ended it took)."""
         out: list[Order] = []
         for order in orders:
             if isinstance(order, GiveUp):
-                out += self._give_up(order.what, order.reason, now)
+                out += self._give_up(order.what, order.reason, now, lost or [])
             elif isinstance(order, Saved):
                 out += self._saved(order.record, now)
             elif isinstance(order, Retry):
@@ -630,7 +632,9 @@ class Job:
             return [
                 Note("fault", dataclasses.asdict(record)),
                 Say(f"fault during a {what}: {summary.describe(record)}"),
-                *self._follow(moving.fail(f"a fault hit during the {what}", now), now),
+                *self._follow(
+                    moving.fail(f"a fault hit during the {what}", now), now, lost=record.lost_ranks
+                ),
             ]
         return [Note("fault", dataclasses.asdict(record))]
 
@@ -698,15 +702,17 @@ class Job:
             assert self.migration is not None
             if record is not None:
                 self.faults.append(record)
+            lost = record.lost_ranks if record is not None else []
             return [*orders, *self._follow(self.migration.fail(
-                f"the agent of node {node} was lost", now), now)]  # fmt: skip
+                f"the agent of node {node} was lost", now), now, lost=lost)]  # fmt: skip
         if self.state is S.RESIZING and record is not None and self._starting(record):
             return [*orders, *self._fault(Fault(record=record), now)]  # a grow's new node
         if self.state is S.RESIZING and record is not None:
             assert self.resizing is not None
             self.faults.append(record)
             return [*orders, *self._follow(self.resizing.fail(
-                f"the agent of node {node} was lost", now), now)]  # fmt: skip
+                f"the agent of node {node} was lost", now), now,
+                lost=record.lost_ranks)]  # fmt: skip
         if record is None or self.state is S.MIGRATING:
             return orders
         if self.state is S.CHECKPOINTING:
@@ -865,15 +871,30 @@ class Job:
         return [Say(f"warning: the recovery of generation {generation} is not bit-identical "
                     f"to a run without the fault: {why}", logging.WARNING)]  # fmt: skip
 
-    def _give_up(self, what: str, reason: str, now: float) -> list[Order]:
-        """End a recovery or migration that cannot finish, with ``reason``: after a recovery
-        the survivors save their state first; otherwise every worker is told and the job
-        stops."""
-        recovery, resizing = self.recovery, self.resizing
+    def _give_up(self, what: str, reason: str, now: float, lost: list[int]) -> list[Order]:
+        """End a recovery, resize or migration that cannot finish, with ``reason``: the ranks
+        that hold the state save it first (a recovery's survivors, a shrink's; every rank not
+        lost, but a moving rank in flight, when a migration or a resize ended before any rank
+        renumbered); otherwise every worker is told and the job stops."""
+        recovery, resizing, migration = self.recovery, self.resizing, self.migration
         self.recovery = self.migration = self.resizing = None
         self.reason = reason
         if resizing is not None and resizing.lost:  # a shrink: the survivors hold the state
             return [Say(f"{what}: {reason}"), *self._save(resizing.survivors, now)]
+        if resizing is not None and ResizePhase.RESIZING.value not in resizing.times:
+            # it ended before any rank renumbered for the new world: every rank of the world
+            # not lost holds the state, paused at the boundary or on its way there
+            holders = [r for r in range(self.world_size) if r not in lost]
+            return [Say(f"{what}: {reason}"), *self._save(holders, now)]
+        if migration is not None:
+            # every rank not lost holds the state (paused, or on its way to the pause), but
+            # the moving one while it is being checkpointed, restored or reconnected
+            times = migration.times
+            moving = (MigrationPhase.DUMPING.value in times
+                      and MigrationPhase.RESUMING.value not in times)  # fmt: skip
+            holders = [r for r in range(self.world_size)
+                       if r not in lost and not (moving and r == migration.rank)]  # fmt: skip
+            return [Say(f"{what}: {reason}"), *self._save(holders, now)]
         if recovery is not None:
             holders = [r for r in recovery.survivors if r not in recovery.lost]
             # the replacements have no state to save, and a survivor may wait for one of

@@ -14,7 +14,9 @@ from typing import Any
 KINDS = ("kill", "exit", "raise", "hang", "node", "migrate", "resize", "add-node")
 # what the coordinator carries out at a step boundary, not the workers' injector
 PLANNED = ("migrate", "resize", "add-node")
-POINTS = ("forward", "backward", "optimizer", "boundary")
+POINTS = ("forward", "backward", "optimizer", "boundary", "pause")
+# pause: as the rank waits at the step's start, paused for a migration or a resize (once it
+# has said so): a fault there hits the world between its pause and its going on
 # where a rank parked in ``step`` is in a peer's recovery, or in writing a just-in-time
 # checkpoint: the fault fires as it begins that phase (``recovery record``'s phase names)
 RECOVERY_POINTS = ("park", "rebuild", "pull", "replay", "checkpoint")
@@ -29,7 +31,8 @@ class FaultSpecError(ValueError):
 class FaultSpec:
     """One fault to inject into one rank at one step.
 
-    ``at`` is a point of the step (``forward``, ``backward``, ``optimizer``, ``boundary``),
+    ``at`` is a point of the step (``forward``, ``backward``, ``optimizer``, ``boundary``;
+    ``pause``: paused at the step's start for a migration or a resize),
     ``collective=K``: the K-th collective (counting from 0) that the rank issues in the step,
     ``completion=K`` (``raise`` only): that collective is launched and then fails, as one
     broken by a lost peer does (the error found once the rank has gone on past it),
@@ -137,6 +140,9 @@ def parse_fault(spec: str, require_step: bool = True) -> FaultSpec:
         if kind in ("raise", "migrate"):
             raise FaultSpecError(f"a {kind} cannot be injected into a recovery's {at} phase, "
                                  f"in {spec!r}")  # fmt: skip
+    elif at == "pause" and kind in ("raise", "migrate"):
+        raise FaultSpecError(f"a {kind} cannot be injected into a pause (a paused rank issues "
+                             f"no collective), in {spec!r}")  # fmt: skip
     elif at not in POINTS:
         raise FaultSpecError(
             f"unknown point at={at!r} in {spec!r} (expected {', '.join(POINTS)}, collective=K, "

@@ -199,9 +199,10 @@ def run(
         list[str] | None,
         typer.Option(
             help="Inject a fault: KIND:rank=R:step=S[:at=forward|backward|optimizer|boundary"
-            "|collective=K|completion=K], KIND one of kill, exit, raise, hang, node (the "
-            "rank's whole node is lost); completion=K (raise only): the K-th collective fails "
-            "after its launch; or at a phase of a peer's recovery the rank takes part in while "
+            "|pause|collective=K|completion=K], KIND one of kill, exit, raise, hang, node (the "
+            "rank's whole node is lost); pause: paused at step S's start for a migration or a "
+            "resize; completion=K (raise only): the K-th collective fails after its launch; "
+            "or at a phase of a peer's recovery the rank takes part in while "
             "parked in step S: at=park|rebuild|pull|replay|checkpoint. Planned events the "
             "same way: migrate:rank=R:step=S[:to=N], resize:world=N:step=S, add-node:step=S "
             "(one more node started as the job reaches step S). Repeatable."

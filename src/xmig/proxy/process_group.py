@@ -177,6 +177,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self._taken = False  # a recovery took the ops in flight over (``halt``)
         self._gate_cpu = gate_factory is not None  # only a test's gates stand on the CPU
         self._group_name = ""
+        self._aborted: set[int] = set()  # the backends (ids) an abort was begun on
         self._waiter = threading.Thread(target=self._wait_loop, name="xmig-proxy", daemon=True)
         self._waiter.start()
 
@@ -248,6 +249,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         record = OpRecord(self.step, index, op, args, signature_of(op, args), future,
                           group=self.group, seq=seq)  # fmt: skip
         record.device = device
+        if device is not None:
+            # made now, on the framework's thread, never later on the waiter's: a stream made
+            # while a gate holds the device waits for it (as the gate waits for the waiter)
+            _check_stream(device)
         injected: BaseException | None = None
         if self.before_op is not None:
             try:
@@ -468,6 +473,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
                         value = _value(record.work, record.outputs_of(record.args))  # type: ignore[arg-type]
                     except Exception as exc:
                         error = str(exc)
+                    else:
+                        error = _work_error(record.work, record.device)  # type: ignore[arg-type]
                 if error is not None:
                     record.state, record.error = "failed", error
                     # (an op drained after the fault that also failed: reported once)
@@ -576,6 +583,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         backend = communicator.backend
         if communicator.kind != "nccl" or not hasattr(backend, "abort"):
             return
+        self._aborted.add(id(backend))
 
         def abort() -> None:
             with contextlib.suppress(Exception):  # an already broken communicator
@@ -598,6 +606,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         backend = self.communicator.backend
         if self.communicator.kind != "nccl" or not hasattr(backend, "abort"):
             return "none"
+        if id(backend) in self._aborted:
+            # aborted already (a shrink's survivors, before their pause): a shutdown would
+            # wait for the peer that is gone until its timeout
+            return "abort"
         if not hasattr(backend, "shutdown"):
             self.abort_communicator(wait=True)
             return "abort"
@@ -728,6 +740,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 f"complete within {timeout:.0f} s"
             )
         _value(work)  # raises if it failed
+        failure = _work_error(work, record.device)
+        if failure is not None:
+            raise RuntimeError(f"re-issued op {record.index} of step {record.step} "
+                               f"({record.op}) failed: {failure}")  # fmt: skip
 
     def skip_rest_of_step(self) -> None:
         """Serve pending and future ops of this step without the network (a step rolled back:
@@ -807,6 +823,7 @@ def wait_for_aborts(timeout: float) -> bool:
 
 
 _WAITER = "proxy-waiter"
+_CHECKS = "proxy-checks"  # the stream an op's end is checked on (it runs nothing)
 
 # the records a step boundary drops are let go on a thread of their own: destroying their
 # works and CUDA-aware futures took about half of a boundary on an H200 (0.6 ms a step,
@@ -904,6 +921,43 @@ def _value(work: dist.Work, outputs: list[torch.Tensor] | None = None) -> Any:
     return future.value()
 
 
+def _work_error(work: dist.Work, device: Any) -> str | None:
+    """The error of an op whose future does not tell it: NCCL completes its futures at
+    launch, and a collective that a lost peer breaks afterwards fails only in its work, whose
+    ``wait`` raises. (On GPU that wait is a stream's, of a stream of the proxy's own that
+    runs nothing: never the framework's, which a broken op would hold up.)"""
+    try:
+        if device is None:
+            work.wait()  # the op has ended: returns at once
+        else:
+            with torch.cuda.stream(_check_stream(device)):
+                work.wait()
+    except Exception as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+_CHECK_STREAMS: dict[Any, Any] = {}
+_CHECK_LOCK = threading.Lock()
+
+
+def _check_stream(device: Any) -> Any:
+    """The stream ``_work_error`` waits on: one the driver makes for the proxy alone where
+    ``cuda-bindings`` is installed (``side_stream``), else a high-priority one of torch's
+    pool, which NCCL's and the framework's default-priority streams are not drawn from."""
+    stream = _CHECK_STREAMS.get(device)
+    if stream is None:
+        with _CHECK_LOCK:
+            stream = _CHECK_STREAMS.get(device)
+            if stream is None:
+                try:
+                    stream = side_stream(device, _CHECKS)
+                except ImportError:
+                    stream = torch.cuda.Stream(device, priority=-1)
+                _CHECK_STREAMS[device] = stream
+    return stream
+
+
 def _complete(record: OpRecord, work: dist.Work | None, value: Any) -> None:
     """Hand the framework its result. On GPU the completing thread's stream first waits for
     the op (NCCL marks its futures done at launch), so the CUDA-aware future's event covers it."""
@@ -911,7 +965,14 @@ def _complete(record: OpRecord, work: dist.Work | None, value: Any) -> None:
         record.future.set_result(value)
         return
     with torch.cuda.device(record.device):
-        work.wait()  # a stream wait, not a CPU wait
+        try:
+            work.wait()  # a stream wait, not a CPU wait
+        except Exception as exc:
+            # the op had ended well on the GPU (``_work_error`` found nothing then): the error
+            # is the communicator's, met by a later op, which reports it. Its result stands,
+            # and the framework must have it, or its step would wait for good
+            logger.debug("op %d of step %s (%s): %s, after it had ended", record.index,
+                         record.step, record.op, exc)  # fmt: skip
         record.future.set_result(value)
 
 

@@ -200,6 +200,7 @@ class Migration:
         ctx.send(protocol.Paused(generation=generation, step=step, t=time.time(),
                                  stop_s=time.monotonic() - stopped, park_s=park_s,
                                  cannot_resize=self.why_not_resize()))  # fmt: skip
+        ctx.injector.at_point(step, "pause")
         while True:
             order = ctx.orders.boundary.next(generation, ctx.env.recovery_timeout)
             if order is None:

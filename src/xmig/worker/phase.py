@@ -18,13 +18,14 @@ class WorkerPhase(enum.Enum):
 
 _P = WorkerPhase
 # a survivor parks wherever its script is (a peer can fail before this rank's loop begins, or
-# after it ends: it serves from its state all the same) and goes back there
+# after it ends: it serves from its state all the same) and goes back there; a rank paused at
+# a boundary parks to save its state when a fault ends the migration or resize it waits for
 TRANSITIONS: dict[WorkerPhase, frozenset[WorkerPhase]] = {
     _P.STARTING: frozenset({_P.JOINING, _P.TRAINING, _P.PARKED}),
     _P.JOINING: frozenset({_P.TRAINING}),
     _P.TRAINING: frozenset({_P.PARKED, _P.PAUSED, _P.FINISHED}),
     _P.PARKED: frozenset({_P.STARTING, _P.TRAINING, _P.FINISHED}),
-    _P.PAUSED: frozenset({_P.TRAINING, _P.MOVING}),
+    _P.PAUSED: frozenset({_P.TRAINING, _P.MOVING, _P.PARKED}),
     _P.MOVING: frozenset({_P.PAUSED}),
     _P.FINISHED: frozenset({_P.PARKED}),
 }
