@@ -250,8 +250,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
                           group=self.group, seq=seq)  # fmt: skip
         record.device = device
         if device is not None:
-            # made now, on the framework's thread, never later on the waiter's: a stream made
-            # while a gate holds the device waits for it (as the gate waits for the waiter)
+            # made now, on the framework's thread, as the gates' own streams are: made later
+            # on the waiter's, while a gate held the device, a gated run hung (H100)
             _check_stream(device)
         injected: BaseException | None = None
         if self.before_op is not None:
