@@ -3,7 +3,9 @@ rank does at a migration's pause) and ``abort()``, for a communicator of one ran
 fresh process (``--rounds`` per way), with the environment given on the command line.
 
     NCCL_NVLS_ENABLE=0 python bench/nccl_close.py --rounds 6 [--env NCCL_CUMEM_ENABLE=0] \
-        --out FILE.json
+        [--idle-s 0.3] --out FILE.json
+
+``--idle-s``: how long the communicator idles after its last op before it is closed.
 
 A close's time that spreads evenly between a few milliseconds and half a second points at a
 thread that looks for its stop flag every 500 ms.

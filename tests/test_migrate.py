@@ -154,9 +154,8 @@ def test_bad_migrations_are_refused_and_the_job_goes_on(tmp_path, tmp_path_facto
 def test_a_fault_while_the_world_pauses_for_a_move_saves_the_state(tmp_path, tmp_path_factory):
     """3 simulated hosts and a spare: rank 1 is to move at step 3, and rank 2 is killed as it
     pauses (at step 4 or 5: the pause's step depends on when the room is made). The move is
-    given up and the ranks left save the state, rank 1 taking its parked tensors back first
-    (a failed migration stopped the job with nothing saved); the resumed run ends bit for
-    bit where the fault-free run does."""
+    given up and the ranks left save the state (a failed migration stopped the job with
+    nothing saved); the resumed run ends bit for bit where the fault-free run does."""
     steps = STEPS
     args = ["--nnodes", "3", "--nproc-per-node", "1", "--spare-nodes", "1", "--simulate-hosts",
             "--hot-spares", "0", "--inject", "migrate:rank=1:step=3",

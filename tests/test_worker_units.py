@@ -658,9 +658,8 @@ def test_a_communicator_aborted_already_is_not_shut_down_at_the_pause(proxy):
     backend = _Closable(lambda: time.sleep(30))
     proxy.communicator.kind, proxy.communicator.backend = "nccl", backend
     proxy.abort_communicator(wait=True)
-    started = time.monotonic()
     assert proxy.release_communicator() == "abort"
-    assert backend.calls == ["abort"] and time.monotonic() - started < 1.0
+    assert backend.calls == ["abort"]  # no shutdown: it would wait out the sleep above
 
 
 def test_gloo_has_nothing_to_release(proxy):
