@@ -79,6 +79,11 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", help="a subset of the model sizes, by name")
     parser.add_argument("--label", help="the results file's section (default: CPU or GPU)")
     parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="per run, seconds")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="xmig's (DEBUG: the moving rank lists its largest mappings)",
+    )
     parser.add_argument("--container", type=Path, metavar="ROOTFS",
                         help="move each size bare and as a container of ROOTFS")  # fmt: skip
     args = parser.parse_args()
@@ -105,7 +110,7 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     work = Path(tempfile.mkdtemp(prefix="xmig-migration-"))
     layout = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--spare-nodes", "1",
-              "--simulate-hosts", "--hot-spares", "0"]  # fmt: skip
+              "--simulate-hosts", "--hot-spares", "0", "--log-level", args.log_level]  # fmt: skip
     rows = []
     steps = GPU_STEPS if args.gpu else STEPS
     script = [] if args.gpu else ["--step-sleep", str(CPU_STEP_SLEEP_S)]

@@ -70,15 +70,40 @@ class FutureWork(dist.Work):
         return True
 
 
+class OldNcclWork(FutureWork):
+    """An NCCL work as torch 2.11 hands it to Python: its exception cannot be read (pybind
+    has no conversion for it), its ``wait`` enqueues a wait on the GPU (which must not be
+    called from the thread that opens the gates), and its result future is marked with the
+    error as the work records it (``SUCCESS`` comes later, from the watchdog)."""
+
+    def __init__(self, future):
+        super().__init__(future)
+        self.result = torch.futures.Future()
+        self.waited = 0
+
+    def exception(self):
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+    def get_future_result(self):
+        if self.error is not None and not self.result.done():
+            self.result.set_result(2)  # COMM_ERROR
+        return self.result
+
+    def wait(self, timeout=None):
+        self.waited += 1
+        return super().wait(timeout)
+
+
 class Controlled:
     """A backend whose all-reduces end when the test ends them (sums over one rank)."""
 
-    def __init__(self):
+    def __init__(self, work_type=None):
         self.futures = []
+        self.work_type = work_type or FutureWork
 
     def allreduce(self, tensors, opts=None):
         future = torch.futures.Future()
-        work = FutureWork(future)
+        work = self.work_type(future)
         self.futures.append((future, tensors, work))
         return work
 
@@ -93,7 +118,7 @@ class Controlled:
         future.set_result(tensors)
 
 
-def _gated_proxy():
+def _gated_proxy(work_type=None):
     comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
     gates = []
 
@@ -102,7 +127,7 @@ def _gated_proxy():
         return gates[-1]
 
     proxy = ProxyProcessGroup(comm, gate=True, gate_factory=make)
-    backend = Controlled()
+    backend = Controlled(work_type)
     comm.backend = backend
     return proxy, backend, gates
 
@@ -207,6 +232,26 @@ def test_a_gated_op_whose_work_failed_keeps_its_gate_shut():
     backend.end(0, error="remote process exited", in_work=True)
     _until(lambda: proxy.halted)
     assert troubles and gates[0].releases == [] and proxy.gates_closed()
+
+
+def test_an_old_torchs_nccl_work_is_judged_by_its_result_without_a_wait():
+    # torch 2.11: the work's exception cannot be read, and its wait, which enqueues on the
+    # GPU, deadlocked a gated run (the GPU waited behind a gate only the waiter opens)
+    proxy, backend, gates = _gated_proxy(OldNcclWork)
+    troubles = []
+    proxy.on_trouble = troubles.append
+    proxy.begin_step(1)
+    tensor = torch.full((2,), 4.0)
+    _allreduce(proxy, tensor)
+    backend.end(0)  # healthy: its result future is not marked yet
+    _until(lambda: gates[0].releases == [1])
+    assert not proxy.halted and tensor.tolist() == [4.0, 4.0]
+    _allreduce(proxy, torch.ones(2))
+    backend.end(1, error="remote process exited", in_work=True)
+    _until(lambda: proxy.halted)
+    assert troubles == ["the communicator ended the op with COMM_ERROR"]
+    assert gates[0].releases == [1] and proxy.gates_closed()
+    assert [work.waited for _, _, work in backend.futures] == [0, 0]
 
 
 def test_a_rollback_opens_the_gate_of_a_pending_op_with_the_ranks_own_input():

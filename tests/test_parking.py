@@ -9,7 +9,7 @@ import torch
 
 from xmig.paths import huge_pages, is_parking_file, parking_files
 from xmig.worker import parking as parking_module
-from xmig.worker.memory import anonymous_bytes, trim_host_memory
+from xmig.worker.memory import anonymous_bytes, largest_anonymous_mappings, trim_host_memory
 from xmig.worker.parking import (
     MIN_STORAGE_BYTES,
     Parking,
@@ -164,6 +164,15 @@ def test_trimming_gives_freed_heap_back_and_the_count_sees_it():
     trim_host_memory()
     after = anonymous_bytes()
     assert after is not None and after < held - 400e6
+
+
+def test_the_largest_anonymous_mappings_are_found_largest_first():
+    block = torch.ones(48 * 1024 * 1024 // 4)  # 48 MiB, touched: a mapping of its own
+    found = largest_anonymous_mappings(5)
+    sizes = [size for size, _ in found]
+    assert sizes == sorted(sizes, reverse=True) and len(found) == 5
+    assert sizes[0] >= block.nbytes
+    assert all(where for _, where in found)
 
 
 def test_the_parking_file_asks_for_huge_pages_and_says_whether_it_got_them(job_id):

@@ -21,6 +21,7 @@ from xmig.faults import FaultSpec
 from xmig.faults.injector import Injector
 from xmig.paths import parking_files
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
+from xmig.worker import migration as migration_module
 from xmig.worker.errors import RecoveryFailed
 from xmig.worker.hooks import OptimizerGate
 from xmig.worker.migration import Continue, Migration
@@ -821,3 +822,42 @@ def test_a_world_whose_script_draws_its_shards_ahead_cannot_change_size():
 
     assert resizer(draws_ahead=False).why_not() is None
     assert "draws ahead of its steps" in resizer(draws_ahead=True).why_not()
+
+
+def test_a_moving_gpu_rank_shrinks_its_local_memory_and_sets_its_stack_again_after(monkeypatch):
+    # on the GPU the context's local memory (the stack size times every thread the GPU can
+    # hold) is about 0.27 GB that the driver's checkpoint and CRIU would carry for nothing
+    limits = {"stack": 1024}
+    calls = []
+
+    def set_stack_size(size):
+        calls.append(size)
+        limits["stack"] = size
+
+    monkeypatch.setattr(migration_module.cuda, "stack_size", lambda: limits["stack"])
+    monkeypatch.setattr(migration_module.cuda, "set_stack_size", set_stack_size)
+    migration, _, _ = _migration({})
+    migration._ctx.backend = "nccl"
+    stack = migration._shrink_local_memory()
+    assert stack == 1024 and limits["stack"] == migration_module.MOVING_STACK_BYTES
+    limits["stack"] = 128  # a kernel after the restore needed more: the driver grew it
+    migration._restore_local_memory(stack)
+    assert limits["stack"] == 1024 and calls == [migration_module.MOVING_STACK_BYTES, 1024]
+    # a stack the job set smaller than the moving one, and one grown past it, are left alone
+    limits["stack"] = 8
+    assert migration._shrink_local_memory() == 8 and limits["stack"] == 8
+    migration._restore_local_memory(4)
+    assert limits["stack"] == 8 and len(calls) == 2
+
+
+def test_a_rank_whose_stack_size_cannot_be_read_moves_its_local_memory_whole(monkeypatch):
+    def unreadable():
+        raise migration_module.cuda.GpuCheckpointError("cuda-bindings is not installed")
+
+    monkeypatch.setattr(migration_module.cuda, "stack_size", unreadable)
+    migration, _, _ = _migration({})
+    migration._ctx.backend = "nccl"
+    assert migration._shrink_local_memory() is None
+    migration._ctx.backend = "gloo"  # a CPU rank has no context to shrink
+    monkeypatch.setattr(migration_module.cuda, "stack_size", lambda: 1024)
+    assert migration._shrink_local_memory() is None

@@ -97,6 +97,25 @@ def device_uuid(ordinal: int) -> str:
         return canonical_uuid(bytes(uuid.bytes).hex())
 
 
+def stack_size() -> int:
+    """The per-thread stack size (bytes) of the calling thread's current CUDA context: what
+    the context's local memory is sized by (2048 threads an SM times this)."""
+    with _as_checkpoint_error("reading the stack size of"):
+        driver = _driver()
+        err, size = driver.cuCtxGetLimit(driver.CUlimit.CU_LIMIT_STACK_SIZE)
+        _check(driver, err, "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)")
+        return int(size)
+
+
+def set_stack_size(size: int) -> None:
+    """Size the calling thread's current context's local memory anew for ``size`` bytes a
+    thread (the driver grows it again for a kernel that needs more)."""
+    with _as_checkpoint_error("setting the stack size of"):
+        driver = _driver()
+        (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_STACK_SIZE, size)
+        _check(driver, err, f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {size})")
+
+
 def machine_gpus() -> list[str]:
     """The UUIDs of every GPU of this machine, in CUDA's order."""
     with _as_checkpoint_error("listing the GPUs for"):

@@ -48,6 +48,9 @@ BeforeOp = Callable[[int | None, int, str], None]
 GateFactory = Callable[[Any], Any]  # a device -> its gate (``StreamGate``)
 KEPT_INT_BROADCASTS = 8
 RELEASE_TIMEOUT_S = 10.0  # a healthy shutdown takes ~0.5 s
+# c10d's WorkResult, the values of an NCCL work's result future
+WORK_SUCCESS = 0
+WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
 
 
 class OpSequence:
@@ -249,10 +252,6 @@ class ProxyProcessGroup(dist.ProcessGroup):
         record = OpRecord(self.step, index, op, args, signature_of(op, args), future,
                           group=self.group, seq=seq)  # fmt: skip
         record.device = device
-        if device is not None:
-            # made now, on the framework's thread, as the gates' own streams are: made later
-            # on the waiter's, while a gate held the device, a gated run hung (H100)
-            _check_stream(device)
         injected: BaseException | None = None
         if self.before_op is not None:
             try:
@@ -474,7 +473,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     except Exception as exc:
                         error = str(exc)
                     else:
-                        error = _work_error(record.work, record.device)  # type: ignore[arg-type]
+                        error = _work_error(record.work)  # type: ignore[arg-type]
                 if error is not None:
                     record.state, record.error = "failed", error
                     # (an op drained after the fault that also failed: reported once)
@@ -740,7 +739,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 f"complete within {timeout:.0f} s"
             )
         _value(work)  # raises if it failed
-        failure = _work_error(work, record.device)
+        failure = _work_error(work)
         if failure is not None:
             raise RuntimeError(f"re-issued op {record.index} of step {record.step} "
                                f"({record.op}) failed: {failure}")  # fmt: skip
@@ -823,7 +822,6 @@ def wait_for_aborts(timeout: float) -> bool:
 
 
 _WAITER = "proxy-waiter"
-_CHECKS = "proxy-checks"  # the stream an op's end is checked on (it runs nothing)
 
 # the records a step boundary drops are let go on a thread of their own: destroying their
 # works and CUDA-aware futures took about half of a boundary on an H200 (0.6 ms a step,
@@ -921,41 +919,43 @@ def _value(work: dist.Work, outputs: list[torch.Tensor] | None = None) -> Any:
     return future.value()
 
 
-def _work_error(work: dist.Work, device: Any) -> str | None:
+def _work_error(work: dist.Work) -> str | None:
     """The error of an op whose future does not tell it: NCCL completes its futures at
-    launch, and a collective that a lost peer breaks afterwards fails only in its work, whose
-    ``wait`` raises. (On GPU that wait is a stream's, of a stream of the proxy's own that
-    runs nothing: never the framework's, which a broken op would hold up.)"""
+    launch, and a collective that a lost peer breaks afterwards fails only in its work. Read
+    from the work (set once it says it has completed), not through ``wait``: NCCL's ``wait``
+    enqueues a wait on the GPU, which blocks while the GPU waits behind a gate that only
+    this thread opens (a gated run deadlocked on it, H100)."""
     try:
-        if device is None:
-            work.wait()  # the op has ended: returns at once
-        else:
-            with torch.cuda.stream(_check_stream(device)):
-                work.wait()
+        error = work.exception()
+    except TypeError:  # torch before 2.12 cannot hand a work's exception to Python
+        return _work_result_error(work)
+    if error is None:
+        return None
+    return str(error) or type(error).__name__
+
+
+def _work_result_error(work: dist.Work) -> str | None:
+    """``_work_error`` where the work's exception cannot be read: NCCL marks its work's
+    result future with the error as it records the exception (``SUCCESS`` comes later, from
+    its watchdog, so an unmarked result is no error). Other backends' works have no result
+    future; their ``wait`` returns at once once they have completed, and enqueues nothing."""
+    try:
+        result = work.get_future_result()
+    except RuntimeError:
+        try:
+            work.wait()
+        except Exception as exc:
+            return str(exc) or type(exc).__name__
+        return None
+    if not result.done():
+        return None
+    try:
+        code = int(result.value())
     except Exception as exc:
         return str(exc) or type(exc).__name__
-    return None
-
-
-_CHECK_STREAMS: dict[Any, Any] = {}
-_CHECK_LOCK = threading.Lock()
-
-
-def _check_stream(device: Any) -> Any:
-    """The stream ``_work_error`` waits on: one the driver makes for the proxy alone where
-    ``cuda-bindings`` is installed (``side_stream``), else a high-priority one of torch's
-    pool, which NCCL's and the framework's default-priority streams are not drawn from."""
-    stream = _CHECK_STREAMS.get(device)
-    if stream is None:
-        with _CHECK_LOCK:
-            stream = _CHECK_STREAMS.get(device)
-            if stream is None:
-                try:
-                    stream = side_stream(device, _CHECKS)
-                except ImportError:
-                    stream = torch.cuda.Stream(device, priority=-1)
-                _CHECK_STREAMS[device] = stream
-    return stream
+    if code == WORK_SUCCESS:
+        return None
+    return f"the communicator ended the op with {WORK_RESULTS.get(code, code)}"
 
 
 def _complete(record: OpRecord, work: dist.Work | None, value: Any) -> None:

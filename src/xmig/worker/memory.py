@@ -30,6 +30,29 @@ def anonymous_bytes() -> int | None:
     return None
 
 
+def largest_anonymous_mappings(count: int) -> list[tuple[int, str]]:
+    """This process's ``count`` mappings with the most anonymous memory, largest first: bytes,
+    and the file mapped just before each (a library's own heap follows the library)."""
+    found: list[tuple[int, str]] = []
+    previous, current = "", ""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                fields = line.split()
+                if not fields:
+                    continue
+                if "-" in fields[0] and not fields[0].endswith(":"):
+                    path = fields[5] if len(fields) > 5 else ""
+                    current = path or f"anonymous, after {previous or '(nothing)'}"
+                    if path.startswith("/"):
+                        previous = Path(path).name
+                elif fields[0] == "Anonymous:" and int(fields[1]):
+                    found.append((int(fields[1]) * 1024, current))
+    except (OSError, ValueError, IndexError):
+        return []
+    return sorted(found, reverse=True)[:count]
+
+
 def trim_host_memory() -> None:
     """Give back the host memory this process holds but does not use: PyTorch's cached pinned
     blocks and the C library's free heap, so that a checkpoint does not carry them."""

@@ -18,14 +18,19 @@ from typing import Any
 import torch
 
 from xmig import jobenv, protocol
+from xmig.migrate import cuda
 from xmig.procs import die_with_parent, outlive_parent
 from xmig.worker.context import WorkerContext
 from xmig.worker.errors import exit_now
-from xmig.worker.memory import anonymous_bytes, trim_host_memory
+from xmig.worker.memory import anonymous_bytes, largest_anonymous_mappings, trim_host_memory
 from xmig.worker.parking import Parked, Parking, ParkingError, expected_bytes
 from xmig.worker.phase import WorkerPhase
 
 logger = logging.getLogger(__name__)
+
+# bytes a thread while a moving rank is checkpointed; the driver grows it for a kernel that
+# needs more, so it only has to be below what the job set (PyTorch keeps the default, 1 KiB)
+MOVING_STACK_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,7 @@ class Migration:
         if ready is None:  # no room to park in (or given back for a save): nothing readied
             ready = self._make_ready(None)
         parking = ready.parking
+        stack = self._shrink_local_memory()
         ctx.link.ask(ready.message(self._left_on_gpu()), timeout=10.0)
         ctx.link.close()
         deadline = time.monotonic() + ctx.env.recovery_timeout
@@ -265,6 +271,8 @@ class Migration:
                     exit_now(1)
                 time.sleep(0.002)
             die_with_parent()
+        if stack is not None:  # the first CUDA call: it waits until the GPU is restored
+            self._restore_local_memory(stack)
         unpark_s = 0.0
         if parking is not None:  # its CUDA calls wait until the agent has restored the GPU
             unpark_s = parking.unpark()
@@ -289,6 +297,10 @@ class Migration:
             torch.cuda.synchronize(ctx.device)
             for proxy in ctx.groups.proxies():  # memory kept for the log's next copies
                 proxy.drop_spare_buffers()
+            # cuBLAS's workspaces (about 70 MB) come back at the next matmul
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             # cached free blocks would be checkpointed, copied and restored for nothing
             torch.cuda.empty_cache()
             gpu = str(torch.cuda.get_device_properties(ctx.device).uuid)
@@ -304,7 +316,43 @@ class Migration:
         if before is not None and after is not None:
             logger.info("rank %d: %.2f GB of anonymous host memory for CRIU (%.2f GB before "
                         "trimming)", ctx.rank, after / 1e9, before / 1e9)  # fmt: skip
+        if logger.isEnabledFor(logging.DEBUG):  # reading every mapping takes a while
+            logger.debug("rank %d: its largest anonymous mappings: %s", ctx.rank,
+                         "; ".join(f"{size / 1e6:.0f} MB {where}"
+                                   for size, where in largest_anonymous_mappings(12)))  # fmt: skip
         return Ready(parking=parking, parked=parked, gpu=gpu, held=held)
+
+    def _shrink_local_memory(self) -> int | None:
+        """Size the context's local memory for the smallest stack before the driver's
+        checkpoint: at the default 1 KiB a thread it is about 0.27 GB on an H100, which the
+        checkpoint, CRIU's dump and restore and the GPU restore would carry for nothing.
+        Returns the stack size to set again after the restore (None: left as it was)."""
+        if self._ctx.backend != "nccl":
+            return None
+        try:
+            stack = cuda.stack_size()
+            if stack > MOVING_STACK_BYTES:
+                cuda.set_stack_size(MOVING_STACK_BYTES)
+            return stack
+        except cuda.GpuCheckpointError as exc:
+            logger.warning("rank %d: the context's local memory is moved whole: %s",
+                           self._ctx.rank, exc)  # fmt: skip
+            return None
+
+    def _restore_local_memory(self, stack: int) -> None:
+        """The stack size from before the move: a kernel whose stack the compiler could not
+        bound (recursion, calls through pointers) relies on it."""
+        started = time.monotonic()
+        try:
+            if cuda.stack_size() < stack:
+                cuda.set_stack_size(stack)
+        except cuda.GpuCheckpointError as exc:
+            logger.warning("rank %d: the stack size of %d B is not set again: %s",
+                           self._ctx.rank, stack, exc)  # fmt: skip
+            return
+        logger.info("rank %d: the stack size of %d B set again in %.3f s (the wait for the "
+                    "GPU's restore included)", self._ctx.rank, stack,
+                    time.monotonic() - started)  # fmt: skip
 
     def _left_on_gpu(self) -> int:
         """What the GPU holds for the driver's checkpoint (the communicators aborted and the
