@@ -70,11 +70,12 @@ class FutureWork(dist.Work):
         return True
 
 
-class OldNcclWork(FutureWork):
-    """An NCCL work as torch 2.11 hands it to Python: its exception cannot be read (pybind
-    has no conversion for it), its ``wait`` enqueues a wait on the GPU (which must not be
-    called from the thread that opens the gates), and its result future is marked with the
-    error as the work records it (``SUCCESS`` comes later, from the watchdog)."""
+class NcclLikeWork(FutureWork):
+    """An NCCL work as torch hands it to Python: its exception cannot be read (torch 2.11
+    has no conversion for it; later versions warn), its ``wait`` enqueues a wait on the GPU
+    (which must not be called from the thread that opens the gates), and its result future
+    is marked with the error as the work records it (``SUCCESS`` comes later, from the
+    watchdog)."""
 
     def __init__(self, future):
         super().__init__(future)
@@ -234,10 +235,10 @@ def test_a_gated_op_whose_work_failed_keeps_its_gate_shut():
     assert troubles and gates[0].releases == [] and proxy.gates_closed()
 
 
-def test_an_old_torchs_nccl_work_is_judged_by_its_result_without_a_wait():
-    # torch 2.11: the work's exception cannot be read, and its wait, which enqueues on the
-    # GPU, deadlocked a gated run (the GPU waited behind a gate only the waiter opens)
-    proxy, backend, gates = _gated_proxy(OldNcclWork)
+def test_an_nccl_work_is_judged_by_its_result_without_a_wait():
+    # its wait, which enqueues on the GPU, deadlocked a gated run (the GPU waited behind a
+    # gate only the waiter opens); its exception cannot be read on torch 2.11
+    proxy, backend, gates = _gated_proxy(NcclLikeWork)
     troubles = []
     proxy.on_trouble = troubles.append
     proxy.begin_step(1)

@@ -45,6 +45,40 @@ def test_request_reply_and_push():
         server.close()
 
 
+def test_a_server_counts_the_requests_it_has_not_answered_yet():
+    # a coordinator that ends lingers while it has any: a request decided just before the
+    # job's end (``xmig stop``) lost its reply on a busy machine
+    decided = threading.Event()
+    entered = threading.Event()
+
+    def handle(peer, msg):
+        if msg.get("op") == "slow":
+            entered.set()
+            decided.wait(10)
+        return {"ok": 1}
+
+    server = Server("127.0.0.1", 0, "secret", handle).start()
+    client = Client(server.address, "secret", info={"role": "test"})
+    replies = []
+    try:
+        assert server.answering() == 0
+        caller = threading.Thread(target=lambda: replies.append(client.call("slow")))
+        caller.start()
+        assert entered.wait(5)
+        assert server.answering() == 1
+        client.notify("note")  # a notice is never answered: not counted
+        decided.set()
+        caller.join(5)
+        assert replies and replies[0]["ok"] == 1
+        deadline = time.monotonic() + 5
+        while server.answering() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.answering() == 0
+    finally:
+        client.close()
+        server.close()
+
+
 def test_wrong_token_is_refused():
     server, seen = _echo_server("secret")
     try:

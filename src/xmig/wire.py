@@ -313,6 +313,7 @@ class Server:
         self._max_pending = max_pending_handshakes
         self._pending = 0
         self._pending_lock = threading.Lock()
+        self._answering = 0  # requests read and not yet answered
         self.refused_handshakes = 0
         self._refused_unlogged = 0
         self._refused_logged_at = float("-inf")
@@ -327,6 +328,12 @@ class Server:
     def start(self) -> Server:
         self._thread.start()
         return self
+
+    def answering(self) -> int:
+        """Requests this server has read and not yet answered: a process that ends must let
+        those replies go out first (a request decided just before the end lost its reply)."""
+        with self._pending_lock:
+            return self._answering
 
     def close(self) -> None:
         self._stopped = True
@@ -419,14 +426,22 @@ class Server:
             while True:
                 msg = conn.recv()
                 req_id = msg.get("id")
-                try:
-                    reply = self._handler(peer, msg)
-                except Exception as exc:  # the request is refused, the connection stays
-                    if req_id is not None:
-                        peer.push({"re": req_id, "ok": False, "error": str(exc)})
-                    continue
                 if req_id is not None:
-                    peer.push({"re": req_id, "ok": True, **(reply or {})})
+                    with self._pending_lock:
+                        self._answering += 1
+                try:
+                    try:
+                        reply = self._handler(peer, msg)
+                    except Exception as exc:  # the request is refused, the connection stays
+                        if req_id is not None:
+                            peer.push({"re": req_id, "ok": False, "error": str(exc)})
+                        continue
+                    if req_id is not None:
+                        peer.push({"re": req_id, "ok": True, **(reply or {})})
+                finally:
+                    if req_id is not None:
+                        with self._pending_lock:
+                            self._answering -= 1
         except WireError:
             pass
         finally:

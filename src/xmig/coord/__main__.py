@@ -49,11 +49,13 @@ def main() -> int:
     if coord.plane is not None and not coord.lead(threading.Event()):
         return 1
     coord.run()
-    # let the launcher read the outcome and the agents shut down before the store goes away
+    # let the launcher read the outcome and the agents shut down before the store goes away,
+    # and the requests decided before the end (``xmig stop``'s) have their replies
     deadline = time.monotonic() + LINGER_S
     while time.monotonic() < deadline and (
         any(not p.conn.closed for p in coord.peers.values())
         or any(not p.conn.closed for p in coord.launchers)
+        or coord.server.answering()
     ):
         time.sleep(0.02)
     if coord.plane is not None and coord.leadership is not None:

@@ -921,24 +921,13 @@ def _value(work: dist.Work, outputs: list[torch.Tensor] | None = None) -> Any:
 
 def _work_error(work: dist.Work) -> str | None:
     """The error of an op whose future does not tell it: NCCL completes its futures at
-    launch, and a collective that a lost peer breaks afterwards fails only in its work. Read
-    from the work (set once it says it has completed), not through ``wait``: NCCL's ``wait``
-    enqueues a wait on the GPU, which blocks while the GPU waits behind a gate that only
-    this thread opens (a gated run deadlocked on it, H100)."""
-    try:
-        error = work.exception()
-    except TypeError:  # torch before 2.12 cannot hand a work's exception to Python
-        return _work_result_error(work)
-    if error is None:
-        return None
-    return str(error) or type(error).__name__
-
-
-def _work_result_error(work: dist.Work) -> str | None:
-    """``_work_error`` where the work's exception cannot be read: NCCL marks its work's
-    result future with the error as it records the exception (``SUCCESS`` comes later, from
-    its watchdog, so an unmarked result is no error). Other backends' works have no result
-    future; their ``wait`` returns at once once they have completed, and enqueues nothing."""
+    launch, and a collective that a lost peer breaks afterwards fails only in its work. NCCL
+    marks the work's result future with the error as it records it (``SUCCESS`` comes later,
+    from its watchdog, so an unmarked result is no error): read there, not through ``wait``,
+    which enqueues a wait on the GPU and so blocked while the GPU waited behind a gate that
+    only this thread opens (a gated run deadlocked on it, H100); nor through ``exception()``,
+    which torch 2.11 cannot hand to Python and later versions warn about. Other backends'
+    works have no result future; their ``wait`` returns at once once they have completed."""
     try:
         result = work.get_future_result()
     except RuntimeError:
