@@ -173,3 +173,23 @@ def test_containers_on_a_gpu_machine_say_they_run_on_cpu(monkeypatch, capsys):
         cli._check_container(job)
         err = capsys.readouterr().err
         assert ("8 GPU(s)" in err and "the workers run on CPU" in err) is warned, err
+
+
+def test_ci_makes_the_test_rootfs_where_the_container_tests_look_for_it(tmp_path, monkeypatch):
+    # .ci/run makes it while it installs the rest; named otherwise, the tests would make it
+    # again (80 s)
+    import subprocess
+
+    import container_harness
+
+    monkeypatch.setenv("XMIG_TEST_ROOTFS_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_SPEC", "torch==2.13.0")
+    monkeypatch.setattr(container_harness, "CACHE", tmp_path)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "test-rootfs.sh"
+    said = subprocess.run(["bash", str(script), "--path"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()  # fmt: skip
+    assert said == str(tmp_path / f"xmig-test-rootfs-{container_harness._key()}")
+    monkeypatch.setenv("TORCH_SPEC", "torch==2.12.0")  # another torch: another rootfs
+    other = subprocess.run(["bash", str(script), "--path"], capture_output=True, text=True,
+                           check=True, timeout=30).stdout.strip()  # fmt: skip
+    assert other != said and other == str(tmp_path / f"xmig-test-rootfs-{container_harness._key()}")

@@ -936,7 +936,7 @@ def _work_error(work: dist.Work) -> str | None:
         except Exception as exc:
             return str(exc) or type(exc).__name__
         return None
-    if not result.done():
+    if result is None or not result.done():  # (a work made without one: nothing known)
         return None
     try:
         code = int(result.value())
