@@ -271,8 +271,8 @@ class Migration:
                     exit_now(1)
                 time.sleep(0.002)
             die_with_parent()
-        if stack is not None:  # the first CUDA call: it waits until the GPU is restored
-            self._restore_local_memory(stack)
+        if stack is not None:  # its first CUDA call (the agent wrote the file once the GPU
+            self._restore_local_memory(stack)  # was restored and unlocked)
         unpark_s = 0.0
         if parking is not None:  # its CUDA calls wait until the agent has restored the GPU
             unpark_s = parking.unpark()
@@ -350,9 +350,8 @@ class Migration:
             logger.warning("rank %d: the stack size of %d B is not set again: %s",
                            self._ctx.rank, stack, exc)  # fmt: skip
             return
-        logger.info("rank %d: the stack size of %d B set again in %.3f s (the wait for the "
-                    "GPU's restore included)", self._ctx.rank, stack,
-                    time.monotonic() - started)  # fmt: skip
+        logger.info("rank %d: the stack size of %d B set again in %.3f s", self._ctx.rank,
+                    stack, time.monotonic() - started)  # fmt: skip
 
     def _left_on_gpu(self) -> int:
         """What the GPU holds for the driver's checkpoint (the communicators aborted and the
