@@ -43,6 +43,12 @@ def main() -> None:
     )
     parser.add_argument("--trace", help="a folder for the profiled steps' Chrome traces")
     parser.add_argument(
+        "--stack",
+        action="store_true",
+        help="record Python frames in the traces (bench/trace_gaps.py names what the CPU ran "
+        "while the GPU waited; it slows the CPU side)",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="(GPU) where the CPU and the GPU stand after the forward, the backward and the "
@@ -162,7 +168,9 @@ def main() -> None:
         for name, run_one in (("plain", lambda i: train(ddp_p, opt_p, i)),
                               ("xmig", lambda i: train(ddp_x, opt_x, next(steps)))):  # fmt: skip
             trace = Path(args.trace) / f"{name}.json" if args.trace else None
-            profiles[name] = profile(run_one, args.profile_steps, args.steps, device, trace)
+            profiles[name] = profile(
+                run_one, args.profile_steps, args.steps, device, trace, args.stack
+            )
     next(steps, None)  # the last boundary
     if boundary_profile is not None and session.rank == 0:
         import io
@@ -210,14 +218,16 @@ def main() -> None:
 
 
 def profile(run_one, count: int, first: int, device: torch.device,
-            trace: Path | None) -> dict:  # fmt: skip
+            trace: Path | None, stack: bool = False) -> dict:  # fmt: skip
     """``count`` steps under torch.profiler: per step, the wall time, the GPU's busy time
     (the union of its kernels and copies), its idle time, and the busy time by kind."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize(device)
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack
+    ) as prof:
         started = time.perf_counter()
         for i in range(count):
             run_one(first + i)

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+import types
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -614,6 +615,59 @@ def test_a_boundary_lets_go_of_old_records_on_another_thread(proxy):
     proxy.begin_step(3)
     assert gone.wait(5.0) and where == ["xmig-let-go"]
     assert [r.step for r in proxy.log] == [2]
+
+
+def _one_allreduce(proxy):
+    proxy.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+
+
+def test_a_deferred_trim_keeps_old_records_until_the_forward_is_queued(proxy):
+    for step in (1, 2):
+        proxy.begin_step(step, defer_trim=True)
+        _one_allreduce(proxy)
+        proxy.trim_log()
+    proxy.begin_step(3, defer_trim=True)
+    assert [r.step for r in proxy.log] == [1, 2]  # not at the boundary
+    proxy.trim_log()  # (the forward's hook)
+    assert [r.step for r in proxy.log] == [2]
+    proxy.trim_log()  # once per boundary
+    assert [r.step for r in proxy.log] == [2]
+
+
+def test_a_trim_left_undone_is_done_at_the_next_boundary_with_its_own_step(proxy):
+    """A step with no forward, then a step redone: the trims happen as they would have at
+    each boundary (the redo's keeps what its own step keeps)."""
+    for step in (1, 2, 3):
+        proxy.begin_step(step)
+        _one_allreduce(proxy)
+    proxy.begin_step(4, defer_trim=True)  # no forward in step 4
+    proxy.begin_step(2, defer_trim=True)  # step 2 redone: step 4's trim (keeps 3) first
+    assert [r.step for r in proxy.log] == [3]
+    proxy.trim_log()
+    assert [r.step for r in proxy.log] == [3]
+
+
+def test_a_registered_model_trims_the_logs_after_its_forward():
+    """The step loop defers the boundary's trim to the model's forward hook."""
+    from xmig.worker.hooks import OptimizerGate, install_hooks
+
+    trimmed = []
+    proxies = [types.SimpleNamespace(trim_log=lambda: trimmed.append("world"))]
+    model = torch.nn.Linear(2, 2)
+    ctx = types.SimpleNamespace(
+        injector=types.SimpleNamespace(pending=[], at_point=lambda *_a: None),
+        registry=types.SimpleNamespace(model=lambda: model, optimizer=lambda: None),
+        tracer=None, step=0, groups=types.SimpleNamespace(proxies=lambda: proxies),
+        trims_after_forward=False,
+    )  # fmt: skip
+    handles = install_hooks(ctx, OptimizerGate(ctx))
+    assert ctx.trims_after_forward
+    model(torch.ones(1, 2))
+    assert trimmed == ["world"]
+    for handle in handles:
+        handle.remove()
+    model(torch.ones(1, 2))
+    assert trimmed == ["world"]
 
 
 class _Closable:

@@ -152,6 +152,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.step: int | None = None
         self.ops_in_step = 0
         self.log: list[OpRecord] = []
+        self._trim_due = False  # a boundary's trim of the log is still to be done
         self.int_broadcasts: list[IntBroadcast] = []
         # ops this returns True for are served without the network, also while halted, and
         # are not logged (DDP's layout broadcasts when their root died)
@@ -214,14 +215,31 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self._buffers.clear()
 
     # ---- step boundary ----------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        """Op indices restart at 0; the log keeps this step and the one before it."""
+    def begin_step(self, step: int, defer_trim: bool = False) -> None:
+        """Op indices restart at 0; the log keeps this step and the one before it. The older
+        records are dropped now, or with ``defer_trim`` by ``trim_log`` once the step's forward
+        is queued: at a boundary the GPU often idles (a script that logs its loss waits for
+        it), and dropping the records is a third of the boundary's time there (H100)."""
+        self.trim_log()  # one still due (the step before had no forward) goes first
         with self._cv:
             self.step = step
             self.ops_in_step = 0
+            self._trim_due = True
+        if not defer_trim:
+            self.trim_log()
+
+    def trim_log(self) -> None:
+        """Drop the log's records older than the step before this one, if a boundary left
+        that to do: their input copies go back to the pool, the records to a thread that
+        lets them go."""
+        with self._cv:
+            if not self._trim_due:
+                return
+            self._trim_due = False
+            step = self.step
             kept, dropped = [], []
             for record in self.log:
-                if (record.step is not None and record.step >= step - 1
+                if (record.step is not None and step is not None and record.step >= step - 1
                         and (self.keep_log or record.state != "done")):  # fmt: skip
                     kept.append(record)
                 else:

@@ -106,6 +106,8 @@ class WorkerContext:
         self.optimizer_waiting = False
         # the step's optimizer update, queued on the GPU behind a shut gate (``gates``)
         self.queued_update: QueuedUpdate | None = None
+        # a hook trims the communication logs once a step's forward is queued (``hooks``)
+        self.trims_after_forward = False
         self.finished = False  # the loop is done: the rank stays to serve peers until released
         self.recoveries_started = 0
         self._replicas: list[int] | None | object = _UNKNOWN

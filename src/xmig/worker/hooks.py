@@ -86,6 +86,15 @@ def install_hooks(ctx: WorkerContext, gate: OptimizerGate) -> list[Any]:
         handles.append(
             model.register_forward_pre_hook(lambda _m, _a: injector.at_point(ctx.step, "forward"))
         )
+
+        def trim_logs(_module: Any, _args: Any, _output: Any) -> None:
+            # the forward is queued: the CPU is ahead of the GPU, so the boundary's trim of
+            # the communication log costs the step nothing here
+            for proxy in ctx.groups.proxies():
+                proxy.trim_log()
+
+        handles.append(model.register_forward_hook(trim_logs))
+        ctx.trims_after_forward = True
         trainable = [p for p in model.parameters() if p.requires_grad]
         if trainable:
             middle = trainable[len(trainable) // 2]

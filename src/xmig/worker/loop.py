@@ -109,7 +109,7 @@ class StepLoop:
                     ctx.queued_update = None
                     reseed(ctx.seed, ctx.rank, step)
                     for proxy in ctx.groups.proxies():
-                        proxy.begin_step(step)
+                        proxy.begin_step(step, defer_trim=ctx.trims_after_forward)
                 if ctx.link is not None:
                     ctx.link.started(step)
                 ctx.injector.at_point(step, "boundary")
@@ -129,6 +129,7 @@ class StepLoop:
         finally:
             for hook in hooks:
                 hook.remove()
+            ctx.trims_after_forward = False
             self._layout.stop()
         self._finish(total)
 
