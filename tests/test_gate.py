@@ -96,7 +96,7 @@ class NcclLikeWork(FutureWork):
 
 
 class Controlled:
-    """A backend whose all-reduces and broadcasts end when the test ends them (one rank)."""
+    """A backend whose all-reduces end when the test ends them (sums over one rank)."""
 
     def __init__(self, work_type=None):
         self.futures = []
@@ -107,8 +107,6 @@ class Controlled:
         work = self.work_type(future)
         self.futures.append((future, tensors, work))
         return work
-
-    broadcast = allreduce  # (over one rank, both leave their tensors as they are)
 
     def end(self, index, error=None, in_work=False):
         """End op ``index``; ``error``: it failed, in its future or (``in_work``) in its work
@@ -191,21 +189,6 @@ def test_a_failed_op_keeps_its_gate_shut_until_the_replay_puts_its_result_in():
     assert gates[0].releases == [1] and not proxy.gates_closed()
     assert tensor.tolist() == [2.0, 2.0, 2.0]  # the logged input, all-reduced over one rank
     assert proxy.first_closed() is None
-
-
-def test_a_failed_broadcast_of_buffers_keeps_its_gate_shut_until_its_replay():
-    proxy, backend, gates = _gated_proxy()
-    proxy.begin_step(2)
-    buffer = torch.full((3,), 5.0)
-    proxy.broadcast([buffer], dist.BroadcastOptions())
-    buffer.fill_(-1.0)  # half-written by the broken op
-    backend.end(0, error="peer gone")
-    _until(lambda: proxy.halted)
-    assert gates[0].releases == [] and proxy.first_closed().op == "broadcast"
-    proxy.halt()
-    proxy.switch(Communicator("gloo", "world", 1, dist.HashStore(), 0, 1, timedelta(seconds=10)))
-    replay_groups([proxy], 2, timeout=10.0)
-    assert gates[0].releases == [1] and buffer.tolist() == [5.0, 5.0, 5.0]
 
 
 def _host_proxy():
@@ -305,17 +288,6 @@ def test_the_layout_broadcasts_are_not_gated():
     tensor = torch.tensor([1, 2], dtype=torch.int32)
     proxy.broadcast([tensor], dist.BroadcastOptions()).wait()
     assert not gates
-
-
-def test_a_broadcast_of_buffers_is_gated():
-    """DDP's broadcast of its buffers at each forward completes at once behind its gate."""
-    proxy, backend, gates = _gated_proxy()
-    proxy.begin_step(0)
-    buffers = [torch.ones(3), torch.zeros(2, dtype=torch.int64)]
-    work = proxy.broadcast(buffers, dist.BroadcastOptions())
-    assert work.get_future().done() and gates[0].issued == 1 and proxy.gates_closed()
-    backend.end(0)
-    assert proxy.wait_gates_open(5.0) and gates[0].releases == [1]
 
 
 def test_a_cpu_proxy_has_no_gate_without_a_tests_factory():

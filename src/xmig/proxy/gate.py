@@ -21,12 +21,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# the ops whose futures go through the gate: DDP's bucket all-reduces, and the broadcasts of
-# its buffers at each forward (completed on the host, one held the CPU back at the start of the
-# forward while the GPU idled: 0.7-0.9 ms a step, H100). Not DDP's layout broadcasts (one int32
-# tensor each, read on the host at once: the proxy leaves those out), nor FSDP2's gathers,
-# which are completed once the GPU is done.
-GATED_OPS = frozenset({"allreduce", "broadcast"})
+# the ops whose futures go through the gate: DDP's bucket all-reduces. Others (DDP's layout
+# broadcasts, read on the host at once; FSDP2's gathers) are completed once the GPU is done.
+GATED_OPS = frozenset({"allreduce"})
 
 
 class GateUnavailable(RuntimeError):

@@ -319,8 +319,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     self.trouble = trouble
             elif not self.halted and all(r.state == "launched" for r in earlier):
                 self._launch(record)
-                if (record.state == "launched" and self.gating and op in GATED_OPS
-                        and record.int_broadcast is None):  # fmt: skip
+                if record.state == "launched" and self.gating and op in GATED_OPS:
                     gate = self._gate_of(device)
                     if gate is not None:
                         record.gate, record.gate_number = gate, gate.hold()
