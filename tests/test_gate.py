@@ -438,6 +438,25 @@ def test_a_gated_op_that_does_not_end_is_taken_over_after_the_drain():
     assert [r.index for r, pending in proxy.to_replay(3) if pending] == [0, 1]
 
 
+def test_a_gated_op_its_communicators_abort_ends_is_not_drained():
+    """A recovery given up while its survivor drains (a later park aborts the communicator):
+    NCCL then ends the ops in flight without recording an error, their outputs half-written.
+    Their gates stay shut, and the ops are replayed."""
+    proxy, backend, gates = _faulted(2, failing=1)
+    proxy.communicator.kind = "nccl"  # (the fake backend aborts as NCCL does)
+    backend.abort = lambda: [backend.end(i) for i in range(len(backend.futures))]
+    halted = threading.Thread(target=proxy.halt, kwargs={"drain_s": 5.0})
+    started = time.monotonic()
+    halted.start()
+    _until(lambda: proxy.halted)
+    proxy.abort_communicator(wait=True)  # op 0 "ends well"
+    halted.join(5.0)
+    assert not halted.is_alive() and time.monotonic() - started < 3.0  # the drain stopped
+    time.sleep(0.1)
+    assert gates[0].releases == [] and proxy.gates_closed()
+    assert [r.index for r, pending in proxy.to_replay(3) if pending] == [0, 1]
+
+
 def test_without_a_shut_gate_halting_does_not_wait():
     proxy, _, _ = _faulted(1, failing=0)
     started = time.monotonic()

@@ -213,6 +213,7 @@ class OpRecord:
     logged_event: Any = None
     # an injected error it reports once it has ended (``raise`` at ``completion=K``)
     late_error: str | None = None
+    launched_on: int | None = None  # the backend (its id) it was launched on
 
     @property
     def input_tensors(self) -> list[torch.Tensor]:

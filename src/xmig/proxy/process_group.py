@@ -410,6 +410,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             record.done_event.set()
             return
         record.work = work
+        record.launched_on = id(self.communicator.backend)
         record.state = "launched"
         event = record.done_event = threading.Event()
         _when_done(work, event.set)
@@ -454,8 +455,11 @@ class ProxyProcessGroup(dist.ProcessGroup):
     def _draining(self, record: OpRecord) -> bool:
         """Whether the waiter still completes ``record`` while the proxy is halted: a gated op
         that was launched before the fault and that no recovery took over yet (it may well
-        end well; its gate must not stay shut for nothing, see ``halt``)."""
-        return record.gate_number is not None and record.state == "launched" and not self._taken
+        end well; its gate must not stay shut for nothing, see ``halt``). Not once its
+        communicator is being aborted: NCCL then ends the op without recording an error, and
+        its output may be half-written."""
+        return (record.gate_number is not None and record.state == "launched"
+                and not self._taken and record.launched_on not in self._aborted)  # fmt: skip
 
     def _complete_in_order(self) -> None:
         while True:
@@ -600,7 +604,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         backend = communicator.backend
         if communicator.kind != "nccl" or not hasattr(backend, "abort"):
             return
-        self._aborted.add(id(backend))
+        with self._cv:
+            # before the abort begins: the ops in flight on it are drained no more (``halt``)
+            self._aborted.add(id(backend))
+            self._cv.notify_all()
 
         def abort() -> None:
             with contextlib.suppress(Exception):  # an already broken communicator
