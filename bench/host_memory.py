@@ -32,29 +32,12 @@ def anonymous_mb() -> float:
     return float("nan")
 
 
-def largest_mappings(count: int) -> list[dict]:
-    """The ``count`` anonymous mappings with the most anonymous memory."""
-    found, current, previous_file = [], None, ""
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
-            path = fields[5] if len(fields) > 5 else ""
-            current = {"range": fields[0], "perms": fields[1], "path": path or "(anon)",
-                       "after": previous_file, "anon_mb": 0.0}  # fmt: skip
-            found.append(current)
-            if path.startswith("/"):
-                previous_file = os.path.basename(path)
-        elif fields[0] == "Anonymous:" and current is not None:
-            current["anon_mb"] = int(fields[1]) / 1024
-    return sorted(found, key=lambda m: -m["anon_mb"])[:count]
-
-
 def child(model_args: list[str]) -> dict:
     stages = {"start": anonymous_mb()}
     import torch
     import train_gpt
 
-    from xmig.worker.memory import trim_host_memory
+    from xmig.worker.memory import largest_anonymous_mappings, trim_host_memory
 
     stages["torch imported"] = anonymous_mb()
     device = torch.device("cuda", 0)
@@ -79,7 +62,9 @@ def child(model_args: list[str]) -> dict:
     torch.cuda.empty_cache()
     trim_host_memory()
     stages["trimmed"] = anonymous_mb()
-    return {"stages_mb": stages, "largest": largest_mappings(12)}
+    largest = [{"anon_mb": size / 2**20, "where": where}
+               for size, where in largest_anonymous_mappings(12)]  # fmt: skip
+    return {"stages_mb": stages, "largest": largest}
 
 
 def main() -> int:
@@ -105,7 +90,7 @@ def main() -> int:
         stages = results[mode]["stages_mb"]
         print(f"{mode}: " + ", ".join(f"{k} {v:.0f} MB" for k, v in stages.items()))
         for m in results[mode]["largest"]:
-            print(f"   {m['anon_mb']:8.1f} MB  {m['perms']}  {m['path']}  (after {m['after']})")
+            print(f"   {m['anon_mb']:8.1f} MB  {m['where']}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
