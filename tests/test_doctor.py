@@ -17,7 +17,7 @@ def test_report_shape(capsys: pytest.CaptureFixture[str]) -> None:
     report = doctor.doctor_report()
     names = [name for name, _, _ in report]
     assert names == ["CRIU", "root", "network namespaces", "parking folder",
-                     "CUDA checkpoint API", "runc"]  # fmt: skip
+                     "transparent huge pages", "CUDA checkpoint API", "runc"]  # fmt: skip
     for name, ok, detail in report:
         assert isinstance(name, str) and isinstance(ok, bool)
         assert isinstance(detail, str) and detail.strip(), name
@@ -83,3 +83,24 @@ def test_runc_missing_is_said_and_fails_nothing_else(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("XMIG_RUNC", "/nonexistent")
     ok, detail = {name: (ok, d) for name, ok, d in doctor.doctor_report()}["runc"]
     assert ok and "only --container needs it" in detail and "apt install runc" in detail
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[always] madvise never\n", "always: CRIU restores"),
+        ("always [madvise] never\n", "madvise: CRIU restores a moving rank's memory in 4 KiB"),
+        ("always madvise [never]\n", "never: CRIU restores"),
+    ],
+)
+def test_transparent_huge_pages_are_advice(tmp_path, text, expected):
+    setting = tmp_path / "enabled"
+    setting.write_text(text)
+    name, ok, detail = doctor.check_transparent_huge_pages(setting)
+    assert ok and detail.startswith(expected)
+    assert ("echo always" in detail) == (not expected.startswith("always"))
+
+
+def test_a_kernel_without_transparent_huge_pages(tmp_path):
+    ok, detail = doctor.check_transparent_huge_pages(tmp_path / "missing")[1:]
+    assert ok and "not in this kernel" in detail

@@ -1,7 +1,8 @@
 """``xmig doctor``: whether this machine has what moving a process needs (and containers).
 
 Checks CRIU, root, network namespaces through ``ip netns``, the folder a moving rank parks
-its tensors in, on a GPU machine the CUDA checkpoint API, and runc for container mode.
+its tensors in, the kernel's transparent huge pages (advice), on a GPU machine the CUDA
+checkpoint API, and runc for container mode.
 Every check reports instead of raising.
 """
 
@@ -60,6 +61,29 @@ def check_park_dir() -> Check:
         return name, True, (f"{folder}: tmpfs, {free}, 4 KiB pages; for GPU ranks mount a "
                             "tmpfs with huge=within_size and set XMIG_PARK_DIR to it")  # fmt: skip
     return name, True, f"{folder}: tmpfs, {free}, huge pages ({policy})"
+
+
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def check_transparent_huge_pages(setting: Path = THP_ENABLED) -> Check:
+    """The kernel's transparent huge pages: with ``always``, CRIU's restore of a moving rank
+    faults its memory in 2 MiB pages; otherwise in 4 KiB ones, which took a 1.5 GB GPU rank's
+    restore 0.84-0.90 s against 0.57-0.60 s (H100). Advice only: the setting is the
+    machine's, for every process on it."""
+    name = "transparent huge pages"
+    try:
+        text = setting.read_text()
+    except OSError:
+        return name, True, "not in this kernel: a restored rank's memory is in 4 KiB pages"
+    chosen = re.search(r"\[(\w+)\]", text)
+    mode = chosen.group(1) if chosen else text.strip()
+    if mode == "always":
+        return name, True, "always: CRIU restores a moving rank's memory in huge pages"
+    return name, True, (f"{mode}: CRIU restores a moving rank's memory in 4 KiB pages; "
+                        f"`echo always > {setting}` on nodes that receive moves cut a 1.5 GB GPU "
+                        "rank's downtime by about 0.3 s (H100), if the node's other work "
+                        "allows it")  # fmt: skip
 
 
 def check_netns(timeout: float = 10.0) -> Check:
@@ -168,6 +192,7 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_root,
     check_netns,
     check_park_dir,
+    check_transparent_huge_pages,
     check_cuda_checkpoint,
     check_runc,
 )
