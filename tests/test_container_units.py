@@ -136,6 +136,7 @@ def test_a_process_outside_any_container_has_one_pid():
 def test_a_jobs_containers_see_its_folders_at_their_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("XMIG_JOBS_DIR", str(tmp_path / "jobs"))
     monkeypatch.setenv("XMIG_PARK_DIR", str(tmp_path / "park"))
+    monkeypatch.setenv("XMIG_IMAGES_DIR", str(tmp_path / "images"))
     job = JobSpec(job_id="run 7/a", script=str(tmp_path / "p" / "train.py"), args=(),
                   cwd=str(tmp_path / "p"), checkpoint_dir=str(tmp_path / "ckpt"),
                   container="/srv/rootfs", container_mounts=["/data:ro", "/out"])  # fmt: skip
@@ -145,6 +146,7 @@ def test_a_jobs_containers_see_its_folders_at_their_paths(tmp_path, monkeypatch)
     assert binds[str(tmp_path / "ckpt")] is True
     assert binds[str(tmp_path / "jobs" / "run 7/a")] is True
     assert binds[str(tmp_path / "park")] is True
+    assert binds[str(tmp_path / "images" / "xmig-migrate" / "run 7/a")] is True  # a move's
     assert (tmp_path / "ckpt").is_dir()  # made, so that it can be mounted
     assert job_prefix("run 7/a") == "xmig-run_7_a-"
 

@@ -143,3 +143,22 @@ def test_the_store_serves_on_the_port_said_before_it_was_up(coordinator):
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     client.set("key", "value")
     assert coord.store.get("key") == b"value"
+
+
+def test_a_nodes_images_go_where_xmig_images_dir_says(tmp_path, monkeypatch):
+    import tempfile
+    from pathlib import Path
+
+    from xmig.coord.migration import images_dir, job_images
+
+    monkeypatch.delenv("XMIG_MIGRATE_DIR", raising=False)
+    monkeypatch.delenv("XMIG_IMAGES_DIR", raising=False)
+    default = Path(tempfile.gettempdir()) / "xmig-migrate" / "j1"
+    assert images_dir("j1", 2, "r0-g3") == str(default / "node2" / "r0-g3")
+    assert job_images("j1") == [default]
+    monkeypatch.setenv("XMIG_IMAGES_DIR", str(tmp_path))
+    assert images_dir("j1", 2, "r0-g3") == str(tmp_path / "xmig-migrate" / "j1" / "node2" / "r0-g3")
+    assert job_images("j1") == [default, tmp_path / "xmig-migrate" / "j1"]  # both cleaned up
+    monkeypatch.setenv("XMIG_MIGRATE_DIR", str(tmp_path / "shared"))  # a shared one wins
+    shared = tmp_path / "shared" / "xmig-migrate" / "j1"
+    assert images_dir("j1", 2, "r0-g3") == str(shared / "r0-g3")

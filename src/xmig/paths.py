@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -25,6 +26,15 @@ def park_dir() -> Path:
     ``/dev/shm`` unless ``XMIG_PARK_DIR`` names another (every node of a job reads the same
     variable)."""
     return Path(os.environ.get("XMIG_PARK_DIR", "/dev/shm"))
+
+
+def local_images_root() -> Path:
+    """Where each node keeps its moves' images when no shared directory is set:
+    ``XMIG_IMAGES_DIR`` (the same path on every node), else the temp dir. A tmpfs with huge
+    pages there writes CRIU's images faster than a disk's page cache (a 1.5 GiB process's
+    dump 0.45-0.49 s against 0.65-0.69 s on ext4, CPU machine); the images of a move are
+    removed once it has been restored."""
+    return Path(os.environ.get("XMIG_IMAGES_DIR") or tempfile.gettempdir())
 
 
 def huge_pages(folder: Path, mounts: str | None = None) -> str | None:

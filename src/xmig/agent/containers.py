@@ -12,7 +12,6 @@ import os
 import re
 import resource
 import socket
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from xmig.agent.spare import READY_FD
 from xmig.container import process, rootfs, runc
 from xmig.container.bundle import Bind, ContainerSpec, container_env
 from xmig.jobspec import JobSpec
-from xmig.paths import job_folder, jobs_dir, park_dir
+from xmig.paths import job_folder, jobs_dir, local_images_root, park_dir
 
 ENTRY = ("-m", "xmig.container.entry")  # runs the script as the container's init
 PROBE_TIMEOUT_S = 120.0
@@ -45,7 +44,7 @@ def job_binds(job: JobSpec) -> list[Bind]:
     """The host paths a job's containers see at the same place: the project and xmig's code
     read-only, what the workers write (the job's folder, checkpoints, traces, the images
     and rejoin files of a move, the parking folder) writable."""
-    migrate = Path(tempfile.gettempdir()) / "xmig-migrate" / job.job_id
+    migrate = local_images_root() / "xmig-migrate" / job.job_id
     writable = [job_folder(job.job_id), migrate, park_dir()]
     if os.environ.get("XMIG_MIGRATE_DIR"):
         writable.append(Path(os.environ["XMIG_MIGRATE_DIR"]) / "xmig-migrate" / job.job_id)

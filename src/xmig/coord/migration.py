@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from xmig.coord.orders import GiveUp, Note, Order, Say, Settled, ToAll, ToNode
+from xmig.paths import local_images_root
 from xmig.protocol import (
     Dump,
     Dumped,
@@ -54,17 +55,18 @@ def stream_forced() -> bool:
 
 def job_images(job_id: str) -> list[Path]:
     """The folders a job's migrations may have left on this machine."""
-    roots = [Path(tempfile.gettempdir())]
+    roots = [Path(tempfile.gettempdir()), local_images_root()]
     if shared_images():
         roots.append(Path(os.environ["XMIG_MIGRATE_DIR"]))
-    return [root / "xmig-migrate" / job_id for root in roots]
+    return [root / "xmig-migrate" / job_id for root in dict.fromkeys(roots)]
 
 
 def images_dir(job_id: str, node: int, name: str) -> str:
-    """Where a node keeps checkpoint images: the shared directory, or its own temp dir."""
+    """Where a node keeps checkpoint images: the shared directory, or its own
+    (``local_images_root``)."""
     if shared_images():
         return str(Path(os.environ["XMIG_MIGRATE_DIR"]) / "xmig-migrate" / job_id / name)
-    return str(Path(tempfile.gettempdir()) / "xmig-migrate" / job_id / f"node{node}" / name)
+    return str(local_images_root() / "xmig-migrate" / job_id / f"node{node}" / name)
 
 
 class MigrationPhase(enum.Enum):
