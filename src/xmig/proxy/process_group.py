@@ -219,7 +219,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         """Op indices restart at 0; the log keeps this step and the one before it. The older
         records are dropped now, or with ``defer_trim`` by ``trim_log`` once the step's forward
         is queued: at a boundary the GPU often idles (a script that logs its loss waits for
-        it), and dropping the records is a third of the boundary's time there (H100)."""
+        it), and dropping the records was 0.43 ms of a gated boundary's 1.0 ms there (H100,
+        under cProfile)."""
         self.trim_log()  # one still due (the step before had no forward) goes first
         with self._cv:
             self.step = step
