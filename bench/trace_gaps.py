@@ -5,7 +5,8 @@ CPU was running meanwhile.
 
 For each gap of at least ``--min-us`` between the GPU's kernels and copies (the largest
 first), what the CPU was doing meanwhile, by how much of the gap each covers: the innermost
-events of the thread that launches the kernels (the framework's), and of the other threads.
+events of the thread that launched the most kernels (in a training step, autograd's, not
+necessarily the step loop's), and of the other threads.
 Python frames appear when the trace was taken with ``with_stack=True`` (``bench/proxy_overhead.py
 --trace DIR --stack``).
 """
@@ -50,7 +51,7 @@ def overlapping(events: list[dict], start: float, end: float) -> dict[str, float
 
 
 def launching_thread(events: list[dict]) -> object:
-    """The thread that launched the most kernels (the framework's)."""
+    """The thread that launched the most kernels (in a training step: autograd's)."""
     launches: dict[object, int] = defaultdict(int)
     for e in events:
         if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", ""):
@@ -101,7 +102,7 @@ def summarize(trace: Path, min_us: float, top: int) -> dict:
             {
                 "at_ms": (s - first) / 1000,
                 "gap_us": e - s,
-                "framework": _top(innermost(threads.get(main, []), s, e)),
+                "launching_thread": _top(innermost(threads.get(main, []), s, e)),
                 "other_threads": _top(
                     _merged(innermost(found, s, e) for tid, found in threads.items() if tid != main)
                 ),  # fmt: skip
@@ -136,7 +137,7 @@ def main() -> None:
               f">= {args.min_us:.0f} us, {s['idle_ms']:.2f} ms idle in them")  # fmt: skip
         for gap in s["largest"]:
             print(f"  at {gap['at_ms']:9.2f} ms: {gap['gap_us']:8.0f} us")
-            for who in ("framework", "other_threads"):
+            for who in ("launching_thread", "other_threads"):
                 for name, us in list(gap[who].items())[:5]:
                     print(f"      {us:8.0f} us  {who[:5]}  {name[:100]}")
     if args.out:

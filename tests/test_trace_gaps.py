@@ -20,7 +20,7 @@ EVENTS = [
     _event("gpu_memcpy", "b", 50, 100, tid=0),  # overlaps a: no gap between them
     _event("kernel", "c", 400, 10, tid=0),  # 250 us after b ends
     _event("kernel", "d", 420, 10, tid=0),  # 10 us: under the threshold
-    _event("python_function", "step", 100, 350),  # the framework's thread (1)
+    _event("python_function", "step", 100, 350),  # the thread that launches most (1)
     _event("python_function", "boundary", 120, 200),  # inside step
     _event("cpu_op", "aten::copy_", 200, 20),  # inside boundary: the innermost
     _event("cuda_runtime", "cudaLaunchKernel", 390, 5),
@@ -56,5 +56,5 @@ def test_a_summary_of_a_trace_file(tmp_path):
     assert summary["gpu_span_ms"] == pytest.approx(0.43)
     gap = summary["largest"][0]
     assert gap["at_ms"] == pytest.approx(0.15)
-    assert gap["framework"]["[python_function] boundary"] == 150
+    assert gap["launching_thread"]["[python_function] boundary"] == 150
     assert gap["other_threads"] == {"[python_function] waiter": 250}
