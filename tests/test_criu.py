@@ -408,3 +408,14 @@ def test_the_mover_restores_a_process_without_gpu_state_lazily(tmp_path: Path) -
             time.sleep(0.02)
     finally:
         _kill(proc.pid, marker)
+
+
+def test_restore_stats_are_read_from_criu_s_image(tmp_path: Path) -> None:
+    # a stats-restore image written by CRIU 4.2.1 (a 200 MB Python process)
+    raw = bytes.fromhex("405910550633095710000000120e08001000180020ba960928b99d03")
+    (tmp_path / "stats-restore").write_bytes(raw)
+    assert criu.restore_stats(tmp_path) == {"restore_s": 150330e-6, "pages_restored": 52921.0}
+    assert criu.dump_stats(tmp_path) == {}  # a restore's image has no dump part
+    assert criu.restore_stats(tmp_path / "missing") == {}
+    (tmp_path / "stats-restore").write_bytes(raw[:10])
+    assert criu.restore_stats(tmp_path) == {}

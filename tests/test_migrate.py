@@ -60,6 +60,10 @@ def check_migrated(summary, rank, source, target, world, steps=STEPS, parked=Tru
     downtime = sum(record["phases"][k] for k in DOWNTIME_PHASES)
     assert downtime == pytest.approx(record["downtime_s"], abs=1e-3)
     assert record["image_bytes"] > 0
+    # CRIU's own accounts: what it wrote, it read back in the target node
+    assert record["criu_dump_stats"]["pages_written"] > 0
+    assert record["criu_restore_stats"]["pages_restored"] > 0
+    assert 0 < record["criu_restore_stats"]["restore_s"] <= record["criu_restore_s"]
     assert len(summary["final_params_sha256"]) == 64
     assert summary["world_size"] == world
     return record

@@ -601,6 +601,7 @@ class Restored(Message):
     transfer_s: float = 0.0
     gpu_times: dict[str, float] = field(default_factory=dict)
     to_gpu: str | None = None
+    criu_stats: dict[str, float] = field(default_factory=dict)  # CRIU's account of the restore
     own_pid: int | None = None  # its PID as it sees it now (in its container: its namespace's)
 
 

@@ -609,7 +609,7 @@ class Agent:
         self._send(dataclasses.replace(
             failed, ok=True, pid=pid, restore_s=done.restore_s, gpu_restore_s=done.gpu_restore_s,
             transfer_s=transfer_s, gpu_times=done.gpu_times, to_gpu=done.to_gpu,
-            own_pid=worker.own_pid,
+            own_pid=worker.own_pid, criu_stats=done.criu_stats,
         ))  # fmt: skip
         if not done.lazy:  # (a lazy restore's go once its pages are all handed over)
             shutil.rmtree(order.images, ignore_errors=True)  # the worker removes the rejoin file

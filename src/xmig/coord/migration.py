@@ -125,6 +125,7 @@ class Migration:
     transfer_s: float = 0.0
     image_bytes: int = 0
     criu_stats: dict[str, float] = field(default_factory=dict)  # CRIU's account of the dump
+    criu_restore_stats: dict[str, float] = field(default_factory=dict)  # and of the restore
     restored_pid: int | None = None
     container: str | None = None  # container mode: the rank's container
     own_pid: int | None = None  # its PID as it saw it before (in its container: its own)
@@ -247,6 +248,7 @@ class Migration:
             self.gpu_restore_s, self.to_gpu = event.gpu_restore_s, event.to_gpu
             self.gpu_times.update(event.gpu_times)
             self.transfer_s = event.transfer_s
+            self.criu_restore_stats = dict(event.criu_stats)
             return self._enter(MigrationPhase.REJOINING, now)
         if isinstance(event, Rejoined) and phase is MigrationPhase.REJOINING:
             if event.rank != self.rank:
@@ -309,6 +311,7 @@ class Migration:
             "criu_restore_s": round(self.restore_s, 4),
             "image_bytes": self.image_bytes,
             "criu_dump_stats": {k: round(v, 4) for k, v in self.criu_stats.items()},
+            "criu_restore_stats": {k: round(v, 4) for k, v in self.criu_restore_stats.items()},
             "interface": self.interface,
             "gpu": self.gpu,
             "to_gpu": self.to_gpu,

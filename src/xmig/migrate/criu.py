@@ -398,31 +398,46 @@ class LazyPages:
 _STATS_MAGIC = 8  # two 32-bit magics before the entry's size and the entry
 
 
-def dump_stats(images_dir: str | os.PathLike[str]) -> dict[str, float]:
-    """CRIU's own account of a dump (its ``stats-dump`` image): seconds the tree was being
-    frozen and stayed frozen, spent collecting and writing its memory, and the pages it wrote.
-    Empty when the file is missing or unreadable."""
+def _stats_entry(path: Path, number: int) -> dict[int, int | bytes]:
+    """The fields of one part (``number``: 1 the dump's, 2 the restore's) of a CRIU stats
+    image; empty when the file is missing or unreadable."""
     try:
-        data = (Path(images_dir) / "stats-dump").read_bytes()
+        data = path.read_bytes()
     except OSError:
         return {}
     if len(data) < _STATS_MAGIC + 4:
         return {}
     size = int.from_bytes(data[_STATS_MAGIC : _STATS_MAGIC + 4], "little")
-    entry = _protobuf_fields(data[_STATS_MAGIC + 4 : _STATS_MAGIC + 4 + size])
-    dump = entry.get(1)
-    if not isinstance(dump, bytes):
-        return {}
-    fields = _protobuf_fields(dump)
-    # stats.proto's dump_stats_entry: times in microseconds
+    part = _protobuf_fields(data[_STATS_MAGIC + 4 : _STATS_MAGIC + 4 + size]).get(number)
+    return _protobuf_fields(part) if isinstance(part, bytes) else {}
+
+
+def _in_seconds(fields: dict[int, int | bytes], names: dict[int, str]) -> dict[str, float]:
+    # stats.proto's times are in microseconds
+    return {name: int(value) / 1e6 for number, name in names.items()
+            if isinstance(value := fields.get(number), int)}  # fmt: skip
+
+
+def dump_stats(images_dir: str | os.PathLike[str]) -> dict[str, float]:
+    """CRIU's own account of a dump (its ``stats-dump`` image): seconds the tree was being
+    frozen and stayed frozen, spent collecting and writing its memory, and the pages it wrote.
+    Empty when the file is missing or unreadable."""
+    fields = _stats_entry(Path(images_dir) / "stats-dump", 1)
     names = {1: "freezing_s", 2: "frozen_s", 3: "memdump_s", 4: "memwrite_s"}
-    stats: dict[str, float] = {
-        name: int(fields[number]) / 1e6
-        for number, name in names.items()
-        if isinstance(fields.get(number), int)
-    }
+    stats = _in_seconds(fields, names)
     if isinstance(fields.get(7), int):
         stats["pages_written"] = float(fields[7])
+    return stats
+
+
+def restore_stats(images_dir: str | os.PathLike[str]) -> dict[str, float]:
+    """CRIU's own account of a restore (its ``stats-restore`` image, written beside the
+    images): seconds from its start to the tree's resumption, and the pages it read back.
+    Empty when the file is missing or unreadable."""
+    fields = _stats_entry(Path(images_dir) / "stats-restore", 2)
+    stats = _in_seconds(fields, {4: "restore_s"})
+    if isinstance(fields.get(5), int):
+        stats["pages_restored"] = float(fields[5])
     return stats
 
 

@@ -70,6 +70,7 @@ class RestoreResult:
     gpu_times: dict[str, float] = field(default_factory=dict)
     to_gpu: str | None = None  # the UUID of the GPU it now holds its state on
     lazy: bool = False  # its memory still arrives; the images go once it has
+    criu_stats: dict[str, float] = field(default_factory=dict)  # criu.restore_stats's
 
 
 class ProcessMover:
@@ -169,7 +170,8 @@ class ProcessMover:
                 checkpoint = cuda.GpuCheckpoint(pid)
                 gpu_s, gpu_times = checkpoint.load(pairs), checkpoint.times
         return RestoreResult(restore_s=took, gpu_restore_s=gpu_s, gpu_times=gpu_times,
-                             to_gpu=target, lazy=lazy is not None)  # fmt: skip
+                             to_gpu=target, lazy=lazy is not None,
+                             criu_stats=criu.restore_stats(images_dir))  # fmt: skip
 
 
 def _watch_lazy_pages(lazy: criu.LazyPages, pid: int) -> None:
