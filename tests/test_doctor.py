@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_report_shape(capsys: pytest.CaptureFixture[str]) -> None:
     report = doctor.doctor_report()
     names = [name for name, _, _ in report]
-    assert names == ["CRIU", "root", "network namespaces", "parking folder",
+    assert names == ["CRIU", "root", "network namespaces", "parking folder", "images folder",
                      "transparent huge pages", "CUDA checkpoint API", "runc"]  # fmt: skip
     for name, ok, detail in report:
         assert isinstance(name, str) and isinstance(ok, bool)
@@ -63,6 +64,29 @@ def test_the_parking_folder_is_reported_with_its_pages(
     monkeypatch.setenv("XMIG_PARK_DIR", "/nonexistent/park")
     ok, detail = doctor.check_park_dir()[1:]
     assert not ok and "XMIG_PARK_DIR" in detail
+
+
+def test_the_images_folder_is_reported_with_its_pages(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XMIG_IMAGES_DIR", "/dev/shm")
+    ok, detail = doctor.check_images_dir()[1:]
+    assert ok and "/dev/shm (XMIG_IMAGES_DIR): tmpfs" in detail
+    assert ("4 KiB pages" in detail) == (huge_pages(Path("/dev/shm")) == "never")
+    monkeypatch.setenv("XMIG_IMAGES_DIR", str(tmp_path))
+    ok, detail = doctor.check_images_dir()[1:]
+    assert ok and ("not a tmpfs" in detail) == (huge_pages(tmp_path) is None)
+    monkeypatch.delenv("XMIG_IMAGES_DIR")  # the temp dir
+    ok, detail = doctor.check_images_dir()[1:]
+    assert ok and "(the temp dir)" in detail
+    monkeypatch.setenv("XMIG_IMAGES_DIR", "/nonexistent/images")  # every dump would fail
+    ok, detail = doctor.check_images_dir()[1:]
+    assert not ok and "/nonexistent/images" in detail and "XMIG_IMAGES_DIR" in detail
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    monkeypatch.setenv("XMIG_IMAGES_DIR", str(read_only))
+    ok = doctor.check_images_dir()[1]
+    assert ok == (os.geteuid() == 0)  # root writes anywhere; anyone else cannot there
 
 
 def test_huge_pages_reads_the_mount_that_holds_the_folder() -> None:

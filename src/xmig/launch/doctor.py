@@ -1,8 +1,8 @@
 """``xmig doctor``: whether this machine has what moving a process needs (and containers).
 
 Checks CRIU, root, network namespaces through ``ip netns``, the folder a moving rank parks
-its tensors in, the kernel's transparent huge pages (advice), on a GPU machine the CUDA
-checkpoint API, and runc for container mode.
+its tensors in, the folder CRIU's images go to, the kernel's transparent huge pages (advice),
+on a GPU machine the CUDA checkpoint API, and runc for container mode.
 Every check reports instead of raising.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xmig.migrate.criu import criu_status
-from xmig.paths import huge_pages, park_dir
+from xmig.paths import huge_pages, local_images_root, park_dir
 
 Check = tuple[str, bool, str]
 """(check name, ok, detail)."""
@@ -61,6 +61,29 @@ def check_park_dir() -> Check:
         return name, True, (f"{folder}: tmpfs, {free}, 4 KiB pages; for GPU ranks mount a "
                             "tmpfs with huge=within_size and set XMIG_PARK_DIR to it")  # fmt: skip
     return name, True, f"{folder}: tmpfs, {free}, huge pages ({policy})"
+
+
+def check_images_dir() -> Check:
+    """The folder each node keeps a move's CRIU images in (``XMIG_IMAGES_DIR``, else the
+    temp dir): there and writable (else every move's dump fails), and whether it is a tmpfs
+    with huge pages (a 1.5 GiB dump took 0.45-0.49 s there against 0.65-0.69 s on ext4's
+    page cache, CPU machine)."""
+    name = "images folder"
+    folder = local_images_root()
+    named = "XMIG_IMAGES_DIR" if os.environ.get("XMIG_IMAGES_DIR") else "the temp dir"
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return name, False, (f"{folder} ({named}) is not a writable folder: a move's CRIU "
+                             "dump would fail there; set XMIG_IMAGES_DIR to one")  # fmt: skip
+    room = os.statvfs(folder)
+    free = f"{room.f_bavail * room.f_frsize / 2**30:.1f} GiB free"
+    policy = huge_pages(folder)
+    if policy is None:
+        return name, True, (f"{folder} ({named}): {free}, not a tmpfs; a tmpfs with "
+                            "huge=within_size in XMIG_IMAGES_DIR writes images faster")  # fmt: skip
+    if policy == "never":
+        return name, True, (f"{folder} ({named}): tmpfs, {free}, 4 KiB pages; one mounted "
+                            "with huge=within_size writes images faster")  # fmt: skip
+    return name, True, f"{folder} ({named}): tmpfs, {free}, huge pages ({policy})"
 
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -192,6 +215,7 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_root,
     check_netns,
     check_park_dir,
+    check_images_dir,
     check_transparent_huge_pages,
     check_cuda_checkpoint,
     check_runc,
