@@ -262,6 +262,19 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
                 f"{p['unpark']:.3f} | {p['rejoin']:.3f} | **{record['downtime_s']:.2f}** | "
                 f"{kept} | {identical} |"
             )
+    accounts = [(name, record) for name, _, record, _ in rows if record is not None]
+    if accounts:
+        lines += ["", "CRIU's own account of each move (its `stats-dump` and `stats-restore` "
+                  "images): the dump's frozen time, of which collecting and writing the memory, "
+                  "and the restore's time to the tree's resumption:", ""]  # fmt: skip
+    for name, record in accounts:
+        dump, restore = record.get("criu_dump_stats", {}), record.get("criu_restore_stats", {})
+        lines.append(
+            f"- {name}: dump frozen {dump.get('frozen_s', 0):.3f} s (memory "
+            f"{dump.get('memdump_s', 0):.3f} s, writing {dump.get('memwrite_s', 0):.3f} s, "
+            f"{dump.get('pages_written', 0):.0f} pages); restore "
+            f"{restore.get('restore_s', 0):.3f} s ({restore.get('pages_restored', 0):.0f} pages)"
+        )
     lines += [
         "",
         "Transfer: the target node's agent fetches the images from the source node's agent "
