@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
+from xmig.ccl.wake import woken
 from xmig.proxy.gate import GATED_OPS, GateUnavailable, StreamGate, side_stream
 from xmig.proxy.oplog import (
     INPUT_ARGS,
@@ -611,7 +612,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._cv.notify_all()
 
         def abort() -> None:
-            with contextlib.suppress(Exception):  # an already broken communicator
+            with contextlib.suppress(Exception), woken():  # an already broken communicator
                 backend.abort()
 
         if wait:
@@ -647,8 +648,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 failed.append(exc)
 
         thread = threading.Thread(target=shutdown, name="xmig-shutdown", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
+        with woken():  # NCCL's socket service would wait out the rest of a 0.5 s period
+            thread.start()
+            thread.join(timeout_s)
         if thread.is_alive() or failed:
             why = f"raised {failed[0]!r}" if failed else f"had not returned in {timeout_s:.0f} s"
             logger.warning("group %s: the communicator's shutdown %s; aborting it", self.group, why)
