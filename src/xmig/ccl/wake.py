@@ -12,6 +12,14 @@ The sockets are this process's own Unix sockets whose address starts with NCCL's
 (abstract, or a file under ``/tmp``), found through ``/proc``. Where none is found (another
 NCCL, another naming), nothing is sent and the close takes its time, as before.
 
+A caveat, why it is not on by default: a thread of this process that is in the middle of
+asking a proxy for a file descriptor (NCCL's ``ncclProxyClientGetFdBlocking``, at a
+communicator's setup or a buffer's registration) waits for the answer on a socket of its own
+with the same prefix; a datagram that reaches it first would fail that exchange. The socket
+list is read once, as the close begins; xmig closes its own communicators at a step
+boundary, where none of them is setting up, but a communicator the job made outside xmig
+could be.
+
 Experimental: off unless ``XMIG_NCCL_WAKE=1``. The reading above is of NCCL 2.28's source
 (``proxy.cc``, ``ipcsocket.cc``) and the CPU tests mimic its loop; it has not yet been run
 against NCCL itself on a GPU (``bench/nccl_close.py --wake`` measures it there).
