@@ -23,10 +23,13 @@ for the answer on a socket of its own with the same prefix, but not in such a ``
 datagram there would fail that exchange, and none is sent to it. Where the waits cannot be
 read (another architecture, ``/proc`` refused), nothing is sent.
 
-Measured on an H100 (NCCL 2.28.9, ``bench/nccl_close.py --wake``, ``bench/results/
-gpu-speed.md``): a communicator's shutdown took 0.446 s without and 0.014 s with it; its abort
-0.95 s either way (what waits there is not this socket). On by default; ``XMIG_NCCL_WAKE=0``
-turns it off.
+Measured on an H100 (NCCL 2.28.9, ``bench/results/gpu-speed.md``, sixth session): a
+communicator's shutdown took 0.446 s without and 0.016 s with it (``bench/nccl_close.py
+--wake``); its abort 0.95 s either way (what waits there is not this socket). In a 1.5 GB
+move the pause's ``stop`` fell from 0.08–0.16 s to 0.02–0.04 s, but the downtime did not
+change beyond its spread (9 pairs, ABBA: the woken move took 0.91–1.11 times as long, median
+1.03): the dumps after a woken close were slower (median 0.76 against 0.68 s), as if the time
+saved moved into them. So it stays off unless ``XMIG_NCCL_WAKE=1``.
 """
 
 from __future__ import annotations
@@ -191,9 +194,9 @@ def nccl_services_woken(poll_ms: int = SERVICE_POLL_MS) -> ServiceWaker:
 @contextlib.contextmanager
 def woken(enabled: bool | None = None) -> Iterator[ServiceWaker | None]:
     """``nccl_services_woken()`` around the block, or nothing when not ``enabled`` (by
-    default: unless ``XMIG_NCCL_WAKE=0``)."""
+    default: only with ``XMIG_NCCL_WAKE=1``)."""
     if enabled is None:
-        enabled = os.environ.get(jobenv.NCCL_WAKE, "1") != "0"
+        enabled = os.environ.get(jobenv.NCCL_WAKE) == "1"
     if not enabled:
         yield None
         return
