@@ -8,7 +8,17 @@ import time
 import psutil
 import pytest
 
-from helpers import DEMO, finish_run, job_processes, run, start_run, wait_for, write_script, xmig
+from helpers import (
+    DEMO,
+    fault_free_sha256,
+    finish_run,
+    job_processes,
+    run,
+    start_run,
+    wait_for,
+    write_script,
+    xmig,
+)
 
 
 def _job_file(tmp_path):
@@ -181,12 +191,12 @@ def test_killed_launcher_takes_the_job_with_it(tmp_path):
     wait_for(lambda: not job_processes(job["job_id"]), 15, "the job's processes to end")
 
 
-def test_inject_at_run_time_into_a_hot_spare(tmp_path, measure):
+def test_inject_at_run_time_into_a_hot_spare(tmp_path, tmp_path_factory, measure):
     """A fault injected into a running job, once its hot spare is warm: the spare becomes the
     replacement, and the run still ends bit for bit where the fault-free run does."""
     job_args = ["--nproc-per-node", "2", str(DEMO), "--steps", "100", "--step-sleep", "0.05",
                 "--quiet"]  # fmt: skip
-    reference = run(job_args, tmp_path / "reference")
+    expected = fault_free_sha256(job_args, tmp_path_factory)
     faulty = tmp_path / "faulty"
     proc = start_run(job_args, faulty)
     job = _job_file(faulty)
@@ -208,7 +218,7 @@ def test_inject_at_run_time_into_a_hot_spare(tmp_path, measure):
     assert result.returncode == 0 and summary["status"] == "completed"
     record = summary["recoveries"][0]
     assert record["mode"] == "respawn" and record["from_spare"] == [True]
-    assert summary["final_params_sha256"] == reference.summary["final_params_sha256"]
+    assert summary["final_params_sha256"] == expected
     assert len(summary["worker_pids"]["0"]) == 1 and len(summary["worker_pids"]["1"]) == 2
     phases = " ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
     measure(f"exit of rank 1 into a hot spare: {record['total_s']:.2f} s ({phases})")
