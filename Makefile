@@ -24,7 +24,10 @@ lint: install
 	$(PY) -m ruff check src tests examples bench
 	$(PY) -m ruff format --check src tests examples bench
 
+# every process of a test's job imports xmig's modules: compiled once here, since where
+# PYTHONDONTWRITEBYTECODE is set each process would compile them again (0.25-0.5 s of CPU)
 test: lint
+	$(PY) -m compileall -q src tests examples > /dev/null
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
