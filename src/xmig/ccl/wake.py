@@ -86,7 +86,7 @@ def polled_socket_inodes(poll_ms: int = SERVICE_POLL_MS, proc: Path = Path("/pro
     fds = set()
     with contextlib.suppress(OSError):
         for task in os.scandir(proc / "task"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
+            with contextlib.suppress(OSError, ValueError, IndexError, struct.error):
                 fields = Path(task.path, "syscall").read_text().split()
                 # "number fds nfds timeout ...": arguments in hex, while the thread waits
                 waits = [int(fields[0])] + [int(x, 16) for x in fields[2:4]]
