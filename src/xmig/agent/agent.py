@@ -24,6 +24,8 @@ from typing import Any
 
 from xmig.agent.containers import NodeContainers
 from xmig.agent.spares import Spare, SparePool
+from xmig.agent.zygote import Zygote
+from xmig.agent.zygote import enabled as zygote_enabled
 from xmig.container import runc
 from xmig.container.process import ContainerProcess
 from xmig.jobenv import COORD_ADDR, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN, WorkerEnv
@@ -276,6 +278,9 @@ class Agent:
         self.spares = SparePool(self._selector, self._base_environ)
         self.mover = ProcessMover()
         self.containers: NodeContainers | None = None  # container mode: this node's
+        # bare processes: forks this node's workers (``agent/zygote.py``); None until the node
+        # has workers to start, and in container mode
+        self.zygote: Zygote | None = None
         self.server: Server | None = None
         self.coord: Client | None = None
         # the coordinator is lost: the ranks still saving their state, and until when
@@ -428,8 +433,12 @@ class Agent:
             self.containers = NodeContainers(self.job, self.node_rank)
             self.spares.in_container = self.containers.start_spare
         try:
+            if self.node_rank < self.job.nnodes:  # a spare node makes one once it has work
+                self._start_zygote()
             return self._serve()
         finally:
+            if self.zygote is not None:
+                self.zygote.stop()
             if self.containers is not None:
                 left = self.containers.remove_all()
                 if left:
@@ -631,6 +640,8 @@ class Agent:
         for worker in [*self.workers.values(), *self.retired]:
             kill_group(worker.pid, signal.SIGKILL)
         self.spares.kill_groups()
+        if self.zygote is not None and self.zygote.pid is not None:
+            kill_group(self.zygote.pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     # ---- the main loop's events, by type -------------------------------------------------------
@@ -927,6 +938,8 @@ class Agent:
                 self._not_started(rank, local_rank, attempt, f"its container did not start: {exc}")
                 return None
         else:
+            proc = self._fork_worker(environ)
+        if proc is None:
             proc = subprocess.Popen(
                 [sys.executable, job.script, *job.args],
                 cwd=job.cwd,
@@ -944,6 +957,19 @@ class Agent:
                                  t=time.time(), from_spare=from_spare,
                                  container=worker.container))  # fmt: skip
         return worker
+
+    def _start_zygote(self) -> None:
+        if self.zygote is None and self.containers is None and zygote_enabled():
+            self.zygote = Zygote(self._base_environ(), self.job.cwd)
+
+    def _fork_worker(self, environ: dict[str, str]) -> AdoptedProcess | None:
+        """A worker forked from this node's zygote (started now for a spare node's first
+        worker, which starts fresh: the zygote serves the ones after it), or None."""
+        if self.zygote is None:
+            self._start_zygote()
+            return None
+        job = self.job
+        return self.zygote.fork(environ, job.script, job.args, job.cwd)
 
     def _not_started(self, rank: int, local_rank: int, attempt: int, why: str) -> None:
         """A rank's process could not even be started: to the coordinator, a process that
@@ -1065,6 +1091,8 @@ class Agent:
         """Stop every worker of this node and what they started: SIGTERM to each process
         group, SIGKILL after ``grace``; every worker is reaped before this returns."""
         self.spares.stop()  # and it starts no more: a stopping job needs none
+        if self.zygote is not None:
+            self.zygote.stop()
         live = [w for w in [*self.workers.values(), *self.retired] if w.state != "exited"]
         for worker in live:
             worker.state = "stopping"

@@ -18,14 +18,16 @@ import sys
 READY_FD = "XMIG_SPARE_READY_FD"
 
 
-def warm_up() -> None:
+def warm_up(cuda: bool = True) -> None:
+    """Import what a worker imports; with ``cuda``, also initialise CUDA where there is a GPU
+    (a zygote must not: a process that did cannot fork)."""
     import torch
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
     # the first optimizer imports torch's compiler stack (about a second)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         torch.cuda.init()
     import xmig.session  # noqa: F401
 
