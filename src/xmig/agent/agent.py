@@ -278,8 +278,8 @@ class Agent:
         self.spares = SparePool(self._selector, self._base_environ)
         self.mover = ProcessMover()
         self.containers: NodeContainers | None = None  # container mode: this node's
-        # bare processes: forks this node's workers (``agent/zygote.py``); None until the node
-        # has workers to start, and in container mode
+        # bare processes: forks this node's workers (``agent/zygote.py``); None in container
+        # mode, with XMIG_ZYGOTE=0, and until the job's spec is known
         self.zygote: Zygote | None = None
         self.server: Server | None = None
         self.coord: Client | None = None
@@ -433,8 +433,9 @@ class Agent:
             self.containers = NodeContainers(self.job, self.node_rank)
             self.spares.in_container = self.containers.start_spare
         try:
-            if self.node_rank < self.job.nnodes:  # a spare node makes one once it has work
-                self._start_zygote()
+            # a spare node's too: a lost node's ranks, a grow's new ones start there
+            if self.containers is None and zygote_enabled():
+                self.zygote = Zygote(self._base_environ(), self.job.cwd)
             return self._serve()
         finally:
             if self.zygote is not None:
@@ -958,15 +959,9 @@ class Agent:
                                  container=worker.container))  # fmt: skip
         return worker
 
-    def _start_zygote(self) -> None:
-        if self.zygote is None and self.containers is None and zygote_enabled():
-            self.zygote = Zygote(self._base_environ(), self.job.cwd)
-
     def _fork_worker(self, environ: dict[str, str]) -> AdoptedProcess | None:
-        """A worker forked from this node's zygote (started now for a spare node's first
-        worker, which starts fresh: the zygote serves the ones after it), or None."""
+        """A worker forked from this node's zygote, or None (there is none, or it failed)."""
         if self.zygote is None:
-            self._start_zygote()
             return None
         job = self.job
         return self.zygote.fork(environ, job.script, job.args, job.cwd)
