@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 
 _PR_SET_PDEATHSIG = 1
 
@@ -20,6 +21,21 @@ def die_with_parent() -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def start_waiting(command: Sequence[str], cwd: str, environ: dict[str, str],
+                  fd: int) -> subprocess.Popen[bytes]:  # fmt: skip
+    """Start a warm interpreter of a node (a hot spare, a zygote) that reads its orders on
+    stdin and answers on ``fd``: a session of its own, dying with this process."""
+    return subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=environ,
+        stdin=subprocess.PIPE,
+        pass_fds=(fd,),
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
 
 
 def outlive_parent() -> None:

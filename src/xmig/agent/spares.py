@@ -14,7 +14,6 @@ import logging
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ from typing import Any
 
 from xmig.agent.spare import READY_FD
 from xmig.jobspec import JobSpec
-from xmig.procs import die_with_parent, kill_group
+from xmig.procs import kill_group, start_waiting
 
 SPARE_DELAY_S = 5.0  # a new spare waits this long, so its start does not slow a recovery
 SPARE_RETRY_S = 30.0  # after a spare that could not be started
@@ -114,15 +113,7 @@ class SparePool:
             if self.in_container is not None:
                 proc = self.in_container(self._command, environ, ready_w)
             else:
-                proc = subprocess.Popen(
-                    self._command,
-                    cwd=cwd,
-                    env=environ,
-                    stdin=subprocess.PIPE,
-                    pass_fds=(ready_w,),
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )
+                proc = start_waiting(self._command, cwd, environ, ready_w)
         except BaseException:
             os.close(ready_r)
             raise

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from xmig.procs import AdoptedProcess, die_with_parent
+from xmig.procs import AdoptedProcess, start_waiting
 
 REPLY_FD = "XMIG_ZYGOTE_FD"
 ENABLED = "XMIG_ZYGOTE"  # "0": every worker is a fresh interpreter, as before
@@ -172,14 +172,8 @@ class Zygote:
         environ = dict(environ)
         environ[REPLY_FD] = str(reply_w)
         try:
-            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                list(command),
-                cwd=cwd,
-                env=environ,
-                stdin=subprocess.PIPE,
-                pass_fds=(reply_w,),
-                start_new_session=True,
-                preexec_fn=die_with_parent,
+            self._proc: subprocess.Popen[bytes] | None = start_waiting(
+                command, cwd, environ, reply_w
             )
         except OSError as exc:
             os.close(reply_r)
