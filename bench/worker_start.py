@@ -48,7 +48,8 @@ def one_run(work: Path, name: str, zygote: str, gpu: bool) -> dict:
     code = bounded(cmd, work / f"{name}.log", RUN_TIMEOUT_S, env=env)
     elapsed = time.time() - started
     if code != 0:
-        raise RuntimeError(f"run {name} failed with exit code {code}; see {work / name}.log")
+        tail = (work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(f"run {name} failed with exit code {code}:\n" + "\n".join(tail))
     result = json.loads(summary.read_text())
     steps, _ = step_events(events)
     record = result["recoveries"][0]
