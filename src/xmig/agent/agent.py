@@ -279,7 +279,7 @@ class Agent:
         self.mover = ProcessMover()
         self.containers: NodeContainers | None = None  # container mode: this node's
         # bare processes: forks this node's workers (``agent/zygote.py``); None in container
-        # mode, with XMIG_ZYGOTE=0, and until the job's spec is known
+        # mode, with XMIG_ZYGOTE=0, and on a spare node until it has ranks to start
         self.zygote: Zygote | None = None
         self.server: Server | None = None
         self.coord: Client | None = None
@@ -433,9 +433,10 @@ class Agent:
             self.containers = NodeContainers(self.job, self.node_rank)
             self.spares.in_container = self.containers.start_spare
         try:
-            # a spare node's too: a lost node's ranks, a grow's new ones start there
-            if self.containers is None and zygote_enabled():
-                self.zygote = Zygote(self._base_environ(), self.job.cwd)
+            # a spare node's once it has ranks to start: a zygote warming up beside the
+            # workers costs their start its CPU where nodes share a machine (simulated hosts)
+            if self.node_rank < self.job.nnodes:
+                self._start_zygote()
             return self._serve()
         finally:
             if self.zygote is not None:
@@ -959,8 +960,14 @@ class Agent:
                                  container=worker.container))  # fmt: skip
         return worker
 
+    def _start_zygote(self) -> None:
+        if self.zygote is None and self.containers is None and zygote_enabled():
+            self.zygote = Zygote(self._base_environ(), self.job.cwd)
+
     def _fork_worker(self, environ: dict[str, str]) -> AdoptedProcess | None:
-        """A worker forked from this node's zygote, or None (there is none, or it failed)."""
+        """A worker forked from this node's zygote (started now on a spare node's first
+        rank: one interpreter's imports for all the ranks of a lost node), or None."""
+        self._start_zygote()
         if self.zygote is None:
             return None
         job = self.job
