@@ -86,3 +86,13 @@ def test_a_job_of_fresh_interpreters_ends_as_one_of_forked_workers(tmp_path, tmp
     fresh = run(args, tmp_path, env={"XMIG_ZYGOTE": "0"})
     assert fresh.returncode == 0, fresh.output
     assert fresh.summary["final_params_sha256"] == forked
+
+
+def test_a_worker_whose_pid_the_agent_never_heard_of_does_not_run(tmp_path):
+    # the zygote forks it, then stalls before saying its PID: the agent gives up (and would
+    # start the rank afresh), so this one must not run as a second process of the rank
+    seen = _said(_agent(tmp_path, "stalled"))
+    assert not seen["forked"] and not seen["alive"]
+    assert seen["seconds"] < 30  # the agent's bound on an answer, not the zygote's stall
+    assert seen["children"] == []  # the worker has exited (and been reaped)
+    assert not (tmp_path / "facts.json").exists()  # without running its script

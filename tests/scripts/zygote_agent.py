@@ -4,7 +4,8 @@ starts a zygote and forks workers from it, printing what it saw as JSON lines.
 ``python zygote_agent.py OUT facts``: a worker writes what it finds (``OUT/facts.json``), then
 exits with 3; a second is SIGKILLed. ``... OUT orphan``: a worker that sleeps; this process
 prints its and the zygote's PIDs and sleeps too (the test kills it). ``... OUT dead``: forks
-after the zygote was killed, and from a zygote that cannot start.
+after the zygote was killed, and from a zygote that cannot start. ``... OUT stalled``: the
+zygote forks a worker but stalls before it says its PID; the agent gives up on it.
 """
 
 import ctypes
@@ -61,4 +62,36 @@ elif mode == "dead":
         never=never is None,
         alive=zygote.alive or broken.alive,
         seconds=time.monotonic() - started,
+    )
+elif mode == "stalled":
+    # the real zygote, made to stall for 30 s before each answer it gives about a worker
+    stall = (
+        "import time, xmig.agent.zygote as z; real = z._answer; "
+        "z._answer = lambda fd, text: (time.sleep(30), real(fd, text)); z.main()"
+    )
+    zygote = Zygote(dict(os.environ), out, command=[sys.executable, "-c", stall], fork_timeout=3.0)
+    started = time.monotonic()
+    worker = zygote.fork(env, worker_script, [out, "0"], out)
+    took = time.monotonic() - started
+    children = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the forked worker, told nothing, exits by itself
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pid = 0
+            if not pid:
+                break
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        if not children:
+            break
+        time.sleep(0.1)
+    say(
+        forked=worker is not None,
+        seconds=took,
+        alive=zygote.alive,
+        children=children,
+        abandoned=zygote.abandoned,
     )

@@ -971,7 +971,10 @@ class Agent:
         if self.zygote is None:
             return None
         job = self.job
-        return self.zygote.fork(environ, job.script, job.args, job.cwd)
+        forked = self.zygote.fork(environ, job.script, job.args, job.cwd)
+        self._orphans.update(self.zygote.abandoned)  # reaped by the main loop
+        self.zygote.abandoned.clear()
+        return forked
 
     def _not_started(self, rank: int, local_rank: int, attempt: int, why: str) -> None:
         """A rank's process could not even be started: to the coordinator, a process that

@@ -10,7 +10,10 @@ the agent's PID. For each it forks twice and answers the worker's PID (or ``erro
 the same descriptor. The worker's first parent exits at once, so the worker becomes the
 agent's own child (the agent is a child subreaper) and is reaped and watched as a worker the
 agent started itself; it leads a session of its own, reads ``/dev/null`` as stdin and dies
-with the agent, as one started with ``subprocess`` does.
+with the agent, as one started with ``subprocess`` does. It runs its script only once the
+zygote has told the agent its PID (a byte on a pipe of its own): a worker whose PID the agent
+never heard of (the zygote stalled, the agent gave up on it and started the rank afresh)
+exits instead of running as a second process of the same rank.
 
 What differs from a fresh interpreter: ``/proc/<pid>/cmdline`` and ``/proc/<pid>/environ``
 show the zygote's (the node's environment without the rank's own variables; ``os.environ``
@@ -33,7 +36,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from xmig.procs import AdoptedProcess, start_waiting
+from xmig.procs import AdoptedProcess, kill_group, start_waiting
 
 REPLY_FD = "XMIG_ZYGOTE_FD"
 ENABLED = "XMIG_ZYGOTE"  # "0": every worker is a fresh interpreter, as before
@@ -41,6 +44,7 @@ ZYGOTE_COMMAND = (sys.executable, "-m", "xmig.agent.zygote")
 READY_TIMEOUT_S = 120.0  # its imports take 2-3 s; a node loaded by other jobs takes longer
 FORK_TIMEOUT_S = 10.0
 REPARENT_TIMEOUT_S = 10.0
+GO_TIMEOUT_S = 60.0  # a worker waits this long to be told to run, then exits
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
@@ -73,30 +77,40 @@ def serve(reply_fd: int) -> dict[str, Any]:
         try:
             order = json.loads(line)
             pid_r, pid_w = os.pipe()
+            go_r, go_w = os.pipe()
         except (ValueError, OSError) as exc:
-            os.write(reply_fd, f"error {type(exc).__name__}: {exc}\n".encode())
+            _answer(reply_fd, f"error {type(exc).__name__}: {exc}")
             continue
         try:
             middle = _fork()
         except OSError as exc:
-            os.close(pid_r)
-            os.close(pid_w)
-            os.write(reply_fd, f"error fork: {exc}\n".encode())
+            for fd in (pid_r, pid_w, go_r, go_w):
+                os.close(fd)
+            _answer(reply_fd, f"error fork: {exc}")
             continue
         if middle == 0:
-            _fork_worker(order, (reply_fd, pid_r, pid_w))
+            _fork_worker(order, go_r, (reply_fd, pid_r, pid_w, go_w))
             return order  # in the worker
         os.close(pid_w)
+        os.close(go_r)
         answer = _read_line(pid_r)
         os.close(pid_r)
         os.waitpid(middle, 0)  # once it has exited, the worker is the agent's child
-        if not answer.isdigit():
-            answer = f"error no worker forked ({answer or 'fork failed'})"
-        os.write(reply_fd, answer.encode() + b"\n")
+        if answer.isdigit():
+            _answer(reply_fd, answer)
+            os.write(go_w, b"1")  # the agent knows it: it may run
+        else:
+            _answer(reply_fd, f"error no worker forked ({answer or 'fork failed'})")
+        os.close(go_w)
 
 
-def _fork_worker(order: dict[str, Any], fds: tuple[int, int, int]) -> None:
-    """In the first child: fork the worker, say its PID, exit. Returns only in the worker."""
+def _answer(reply_fd: int, text: str) -> None:
+    os.write(reply_fd, text.encode() + b"\n")
+
+
+def _fork_worker(order: dict[str, Any], go: int, fds: tuple[int, int, int, int]) -> None:
+    """In the first child: fork the worker, say its PID, exit. Returns only in the worker,
+    once it may run (``go``); ``fds``: the zygote's, which the worker closes."""
     middle = os.getpid()
     try:
         worker = _fork()
@@ -105,6 +119,10 @@ def _fork_worker(order: dict[str, Any], fds: tuple[int, int, int]) -> None:
     if worker == 0:
         try:
             _become_worker(order, middle, fds)
+            ready, _, _ = select.select([go], [], [], GO_TIMEOUT_S)
+            if not ready or os.read(go, 1) != b"1":
+                os._exit(1)  # the agent never heard of this process: it must not run
+            os.close(go)
         except BaseException as exc:  # noqa: BLE001 (as a Popen that failed in the child)
             with contextlib.suppress(OSError):
                 os.write(2, f"xmig: a forked worker could not start: {exc!r}\n".encode())
@@ -166,8 +184,8 @@ class Zygote:
     answer in time) is logged once and ends it: ``fork`` then returns None and the agent
     starts its workers as fresh interpreters."""
 
-    def __init__(self, environ: dict[str, str], cwd: str,
-                 command: Sequence[str] = ZYGOTE_COMMAND) -> None:  # fmt: skip
+    def __init__(self, environ: dict[str, str], cwd: str, command: Sequence[str] = ZYGOTE_COMMAND,
+                 fork_timeout: float = FORK_TIMEOUT_S) -> None:  # fmt: skip
         reply_r, reply_w = os.pipe()
         environ = dict(environ)
         environ[REPLY_FD] = str(reply_w)
@@ -184,8 +202,12 @@ class Zygote:
         self._reply = reply_r if self._proc is not None else -1
         self._pending = b""
         self._ready_by = time.monotonic() + READY_TIMEOUT_S
+        self.fork_timeout = fork_timeout
         self.ready = False
         self.forked = 0
+        # workers forked but not handed over (their PIDs read after the zygote was ended);
+        # killed, and for the agent to reap
+        self.abandoned: list[int] = []
 
     @property
     def pid(self) -> int | None:
@@ -216,7 +238,7 @@ class Zygote:
         except OSError as exc:
             self._fail(f"it took no order ({exc})")
             return None
-        line = self._line(time.monotonic() + FORK_TIMEOUT_S)
+        line = self._line(time.monotonic() + self.fork_timeout)
         if not line.isdigit():
             self._fail(f"it forked no worker ({line or 'no answer'})")
             return None
@@ -252,7 +274,27 @@ class Zygote:
         with contextlib.suppress(OSError):
             assert proc.stdin is not None
             proc.stdin.close()
+        # a PID it said after the agent stopped listening: that worker may have been told to
+        # run, so it is ended here (one it did not say was never told to, and exits)
+        self._pending += _available(self._reply)
+        for line in self._pending.decode(errors="replace").splitlines():
+            if line.strip().isdigit():
+                pid = int(line)
+                kill_group(pid, signal.SIGKILL)
+                self.abandoned.append(pid)
+        self._pending = b""
         os.close(self._reply)
+
+
+def _available(fd: int) -> bytes:
+    """What can be read from ``fd`` now, without waiting."""
+    data = b""
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 if __name__ == "__main__":
