@@ -1,6 +1,7 @@
 """Workers forked from a node's zygote: what each gets, what happens when the zygote or the
 agent dies, and that a forked worker computes what a fresh interpreter does."""
 
+import contextlib
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ def test_a_forked_worker_is_the_agents_child_and_runs_its_order_as_main(tmp_path
 
 def test_forked_workers_and_the_zygote_die_with_their_agent(tmp_path):
     proc = _agent(tmp_path, "orphan")
+    seen = None
     try:
         seen = json.loads(proc.stdout.readline())
         assert psutil.Process(seen["worker"]).ppid() == proc.pid
@@ -68,10 +70,14 @@ def test_forked_workers_and_the_zygote_die_with_their_agent(tmp_path):
                            for p in (seen["worker"], seen["zygote"]))  # fmt: skip
 
         wait_for(gone, 10, "the worker and the zygote to die with their agent")
+        seen = None  # gone: their PIDs may be someone else's now
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+        for pid in (seen or {}).values():  # they outlived it: ended by PID
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_zygote_that_died_or_never_started_forks_nothing_and_is_not_waited_for(tmp_path):

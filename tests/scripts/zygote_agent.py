@@ -88,6 +88,8 @@ elif mode == "stalled":
         if not children:
             break
         time.sleep(0.1)
+    for pid in children:  # the worker outlived the bound (our child: its PID is still its)
+        os.kill(pid, signal.SIGKILL)
     say(
         forked=worker is not None,
         seconds=took,
