@@ -275,6 +275,11 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
             f"{dump.get('pages_written', 0):.0f} pages); restore "
             f"{restore.get('restore_s', 0):.3f} s ({restore.get('pages_restored', 0):.0f} pages)"
         )
+        steps = [(side, record.get(f"{side}_steps") or {}) for side in ("dump", "restore")]
+        if any(done for _, done in steps):
+            lines.append("  - the agents' steps: " + "; ".join(
+                f"{side}: " + ", ".join(f"{k} {v:.3f}" for k, v in done.items())
+                for side, done in steps if done))  # fmt: skip
     lines += [
         "",
         "Transfer: the target node's agent fetches the images from the source node's agent "

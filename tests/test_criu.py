@@ -410,6 +410,68 @@ def test_the_mover_restores_a_process_without_gpu_state_lazily(tmp_path: Path) -
         _kill(proc.pid, marker)
 
 
+@needs_criu
+def test_the_mover_times_each_step_in_order_and_keeps_criu_s_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU process's trip through the mover, the driver's calls faked: the GPU state goes
+    before CRIU's dump and comes back after its restore, each step is timed under its name,
+    and with XMIG_CRIU_KEEP_LOGS both of CRIU's logs stay once the images are gone."""
+    from xmig.migrate import cuda
+    from xmig.migrate.mover import ProcessMover
+
+    calls: list[str] = []
+
+    class FakeCheckpoint:
+        def __init__(self, pid: int) -> None:
+            self.pid, self.times = pid, {}
+
+        def save(self) -> float:
+            calls.append(f"save {self.pid} alive={os.path.exists(f'/proc/{self.pid}')}")
+            self.times = {"lock": 0.001, "checkpoint": 0.002}
+            return 0.003
+
+        def load(self, remap: dict[str, str] | None = None) -> float:
+            calls.append(f"load {self.pid} alive={os.path.exists(f'/proc/{self.pid}')} {remap}")
+            self.times = {"restore": 0.004, "unlock": 0.001}
+            return 0.005
+
+    gpu, other = (f"GPU-00000000-0000-0000-0000-00000000000{i}" for i in (1, 2))
+    monkeypatch.setattr(cuda, "GpuCheckpoint", FakeCheckpoint)
+    monkeypatch.setattr(cuda, "process_gpu_bytes", lambda pid, uuid: 123)
+    monkeypatch.setattr(cuda, "machine_gpus", lambda: [gpu, other])
+    monkeypatch.setattr(cuda, "device_uuid", lambda ordinal: other)  # it lands on the other
+    logs = tmp_path / "logs"
+    monkeypatch.setenv(criu.KEEP_LOGS_ENV, str(logs))
+    proc, marker = _holder(tmp_path, 8)
+    images = tmp_path / "images"
+    try:
+        dumped = ProcessMover(lazy=False).checkpoint(proc.pid, images, gpu)
+        proc.wait(timeout=10)
+        assert list(dumped.steps) == ["gpu_query", "gpu_checkpoint", "criu_dump", "interface",
+                                      "image_size"]  # fmt: skip
+        assert dumped.steps["criu_dump"] == pytest.approx(dumped.dump_s, abs=1e-3)
+        assert dumped.gpu_bytes == 123 and dumped.gpu_checkpoint_s == 0.003
+        restored = ProcessMover(lazy=False).restore(images, proc.pid, 0, gpu=gpu,
+                                                    gpus_before=[gpu, other])  # fmt: skip
+        assert list(restored.steps) == ["criu_restore", "gpu_pairs", "gpu_restore", "criu_stats"]
+        assert restored.steps["criu_restore"] <= restored.restore_s
+        assert restored.gpu_restore_s == 0.005 and restored.gpu_times["restore"] == 0.004
+        assert restored.to_gpu == other
+        assert all(v >= 0 for v in [*dumped.steps.values(), *restored.steps.values()])
+        # the driver's checkpoint came while the process lived, its restore once it lived again
+        assert calls == [
+            f"save {proc.pid} alive=True",
+            f"load {proc.pid} alive=True {{{gpu!r}: {other!r}, {other!r}: {gpu!r}}}",
+        ]
+        assert sorted(p.name for p in logs.iterdir()) == [f"{proc.pid}-dump.log",
+                                                          f"{proc.pid}-restore.log"]  # fmt: skip
+        (tmp_path / "go").touch()
+        assert _wait_file(tmp_path / "done") == "True"
+    finally:
+        _kill(proc.pid, marker)
+
+
 def test_restore_stats_are_read_from_criu_s_image(tmp_path: Path) -> None:
     # a stats-restore image written by CRIU 4.2.1 (a 200 MB Python process)
     raw = bytes.fromhex("405910550633095710000000120e08001000180020ba960928b99d03")

@@ -64,6 +64,15 @@ def check_migrated(summary, rank, source, target, world, steps=STEPS, parked=Tru
     assert record["criu_dump_stats"]["pages_written"] > 0
     assert record["criu_restore_stats"]["pages_restored"] > 0
     assert 0 < record["criu_restore_stats"]["restore_s"] <= record["criu_restore_s"]
+    # the agents' own steps: CRIU's commands as they timed them, within the phases they are in
+    dump, restore = record["dump_steps"], record["restore_steps"]
+    assert {"wait_ready", "criu_dump", "image_size"} <= set(dump)
+    assert dump["criu_dump"] == pytest.approx(record["criu_dump_s"], abs=1e-3)
+    phases = record["phases"]
+    assert sum(dump.values()) <= phases["dump"] + phases["gpu_checkpoint"] + 1e-3
+    assert {"criu_restore", "criu_stats"} <= set(restore)
+    assert restore["criu_restore"] <= record["criu_restore_s"] + 1e-3
+    assert sum(restore.values()) <= phases["restore"] + phases["gpu_restore"] + 1e-3
     assert len(summary["final_params_sha256"]) == 64
     assert summary["world_size"] == world
     return record

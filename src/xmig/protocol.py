@@ -585,6 +585,7 @@ class Dumped(Message):
     host_files: list[Any] = field(default_factory=list)
     container: str | None = None  # container mode: the rank's container, checkpointed whole
     own_pid: int | None = None  # its PID as it saw it (in its container: its namespace's)
+    steps: dict[str, float] = field(default_factory=dict)  # the agent's steps, seconds
 
 
 @message("restored", A, C)
@@ -603,6 +604,7 @@ class Restored(Message):
     to_gpu: str | None = None
     criu_stats: dict[str, float] = field(default_factory=dict)  # CRIU's account of the restore
     own_pid: int | None = None  # its PID as it sees it now (in its container: its namespace's)
+    steps: dict[str, float] = field(default_factory=dict)  # the agent's steps, seconds
 
 
 # ---- launcher / CLI → coordinator ----------------------------------------------------------

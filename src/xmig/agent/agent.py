@@ -266,7 +266,7 @@ class Agent:
         # what dead workers had started, adopted by this agent (child subreaper): reaped here
         self._orphans: set[int] = set()
         self.fired: dict[int, list[dict[str, Any]]] = {}  # injected faults already carried out
-        self._dump_orders: dict[int, Dump] = {}
+        self._dump_orders: dict[int, tuple[Dump, float]] = {}  # and when it came
         self._job: JobSpec | None = None
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -497,12 +497,16 @@ class Agent:
 
     def _report_criu(self) -> None:
         usable, detail = criu.criu_status()
+        gpus = cuda.node_gpus()
         self._post(ToCoordinator(CriuStatus(node=self.node_rank, usable=usable, detail=detail,
-                                            gpus=cuda.node_gpus())))  # fmt: skip
+                                            gpus=gpus)))  # fmt: skip
+        if gpus and usable:
+            cuda.warm_nvml()  # a move asks NVML what its rank holds
 
     # ---- migration ----------------------------------------------------------------------------
-    def _dump(self, rank: int, order: Dump) -> None:
-        """Checkpoint a paused worker that closed its connections (on a thread of its own)."""
+    def _dump(self, rank: int, order: Dump, order_to_ready: float) -> None:
+        """Checkpoint a paused worker that closed its connections (on a thread of its own);
+        ``order_to_ready``: seconds from the order to the worker's word that it is ready."""
         worker = self.workers[rank]
         fds = {}
         for fd in (1, 2):  # pipes shared with the launcher: the target hands its own on
@@ -524,7 +528,7 @@ class Agent:
         host_files = list(ready.host_files) if ready is not None else []
         result = dataclasses.replace(
             failed, ok=True, dump_s=done.dump_s, image_bytes=done.image_bytes, fds=fds,
-            criu_stats=done.criu_stats,
+            criu_stats=done.criu_stats, steps={"wait_ready": order_to_ready, **done.steps},
             gpu=worker.gpu, gpu_bytes=done.gpu_bytes, gpu_checkpoint_s=done.gpu_checkpoint_s,
             gpu_times=done.gpu_times, gpus_before=list(done.gpus_before),
             interface=done.interface, host_files=host_files, container=worker.container,
@@ -558,7 +562,11 @@ class Agent:
             self.containers.moved_away(worker.container)
         if result.ok:
             if worker.state != "exited":
+                started = time.monotonic()
                 self._reap(worker)  # CRIU ended it; its PID must be free for the restore
+                result = dataclasses.replace(
+                    result, steps={**result.steps, "reap": time.monotonic() - started}
+                )
             del self.workers[result.rank]
         self._send(result)
 
@@ -620,7 +628,7 @@ class Agent:
         self._send(dataclasses.replace(
             failed, ok=True, pid=pid, restore_s=done.restore_s, gpu_restore_s=done.gpu_restore_s,
             transfer_s=transfer_s, gpu_times=done.gpu_times, to_gpu=done.to_gpu,
-            own_pid=worker.own_pid, criu_stats=done.criu_stats,
+            own_pid=worker.own_pid, criu_stats=done.criu_stats, steps=done.steps,
         ))  # fmt: skip
         if not done.lazy:  # (a lazy restore's go once its pages are all handed over)
             # on a thread: removing a GPU rank's 1.9 GB of images from ext4's page cache took
@@ -702,16 +710,16 @@ class Agent:
 
     def _dump_order(self, order: Dump) -> None:
         worker = self.workers.get(order.rank)
-        self._dump_orders[order.rank] = order
+        self._dump_orders[order.rank] = (order, time.monotonic())
         if worker is None or worker.peer is None or not worker.peer.push(encode(order)):
             self._send(Dumped(rank=order.rank, node=self.node_rank,
                               generation=order.generation, ok=False,
                               error="the rank is not connected to its agent"))  # fmt: skip
 
     def _dump_now(self, event: DumpNow) -> None:
-        order = self._dump_orders.pop(event.rank)
-        threading.Thread(target=self._dump, args=(event.rank, order), name="xmig-dump",
-                         daemon=True).start()  # fmt: skip
+        order, ordered = self._dump_orders.pop(event.rank)
+        threading.Thread(target=self._dump, args=(event.rank, order, time.monotonic() - ordered),
+                         name="xmig-dump", daemon=True).start()  # fmt: skip
 
     def _respawn(self, order: Respawn) -> None:
         old = self.workers.get(order.rank)

@@ -126,6 +126,8 @@ class Migration:
     image_bytes: int = 0
     criu_stats: dict[str, float] = field(default_factory=dict)  # CRIU's account of the dump
     criu_restore_stats: dict[str, float] = field(default_factory=dict)  # and of the restore
+    dump_steps: dict[str, float] = field(default_factory=dict)  # the source agent's steps
+    restore_steps: dict[str, float] = field(default_factory=dict)  # the target agent's
     restored_pid: int | None = None
     container: str | None = None  # container mode: the rank's container
     own_pid: int | None = None  # its PID as it saw it before (in its container: its own)
@@ -224,7 +226,7 @@ class Migration:
             if not event.ok:
                 return self.fail(f"checkpointing rank {self.rank} failed: {event.error}", now)
             self.dump_s, self.image_bytes = event.dump_s, event.image_bytes
-            self.criu_stats = dict(event.criu_stats)
+            self.criu_stats, self.dump_steps = dict(event.criu_stats), dict(event.steps)
             self.gpu_checkpoint_s, self.gpu = event.gpu_checkpoint_s, event.gpu
             self.gpu_bytes = event.gpu_bytes
             self.held_bytes, self.parked_bytes = event.held_bytes, event.parked_bytes
@@ -249,6 +251,7 @@ class Migration:
             self.gpu_times.update(event.gpu_times)
             self.transfer_s = event.transfer_s
             self.criu_restore_stats = dict(event.criu_stats)
+            self.restore_steps = dict(event.steps)
             return self._enter(MigrationPhase.REJOINING, now)
         if isinstance(event, Rejoined) and phase is MigrationPhase.REJOINING:
             if event.rank != self.rank:
@@ -312,6 +315,9 @@ class Migration:
             "image_bytes": self.image_bytes,
             "criu_dump_stats": {k: round(v, 4) for k, v in self.criu_stats.items()},
             "criu_restore_stats": {k: round(v, 4) for k, v in self.criu_restore_stats.items()},
+            # where the dump and restore phases went, step by step, as their agents timed them
+            "dump_steps": {k: round(v, 4) for k, v in self.dump_steps.items()},
+            "restore_steps": {k: round(v, 4) for k, v in self.restore_steps.items()},
             "interface": self.interface,
             "gpu": self.gpu,
             "to_gpu": self.to_gpu,

@@ -59,6 +59,7 @@ class CheckpointResult:
     # its own network interface, for the target node to take: name, address, netns
     interface: dict[str, Any] | None = None
     criu_stats: dict[str, float] = field(default_factory=dict)  # criu.dump_stats's
+    steps: dict[str, float] = field(default_factory=dict)  # each step's seconds, in order
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,23 @@ class RestoreResult:
     to_gpu: str | None = None  # the UUID of the GPU it now holds its state on
     lazy: bool = False  # its memory still arrives; the images go once it has
     criu_stats: dict[str, float] = field(default_factory=dict)  # criu.restore_stats's
+    steps: dict[str, float] = field(default_factory=dict)  # each step's seconds, in order
+
+
+class _Steps:
+    """Seconds spent in each step of a checkpoint or restore, named in the order done: where
+    a move's time goes beyond the calls timed on their own."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
 
 
 class ProcessMover:
@@ -98,30 +116,37 @@ class ProcessMover:
         when this node has it. ``container``: ``pid`` is the init of this container, which is
         checkpointed whole (runc, with xmig's CRIU; runc removes it)."""
         gpu_s, gpu_times, gpus_before = 0.0, {}, []
+        step = _Steps()
         with _as_migration_error():
             if gpu_uuid is not None:  # its GPU memory goes into its host memory first
-                held = cuda.process_gpu_bytes(pid, gpu_uuid)
-                if held is not None:  # its own share (the worker said what its GPU holds)
-                    gpu_bytes = held
-                gpus_before = cuda.machine_gpus()
+                with step("gpu_query"):
+                    held = cuda.process_gpu_bytes(pid, gpu_uuid)
+                    if held is not None:  # its own share (the worker said what its GPU holds)
+                        gpu_bytes = held
+                    gpus_before = cuda.machine_gpus()
                 gpu = cuda.GpuCheckpoint(pid)
-                gpu_s, gpu_times = gpu.save(), gpu.times
+                with step("gpu_checkpoint"):
+                    gpu_s, gpu_times = gpu.save(), gpu.times
             started = time.monotonic()
-            if container is not None:
-                runc.checkpoint(container, images_dir)
-            else:
-                criu.dump(pid, images_dir, tcp_close=True)
+            with step("criu_dump"):
+                if container is not None:
+                    runc.checkpoint(container, images_dir)
+                else:
+                    criu.dump(pid, images_dir, tcp_close=True)
         took = time.monotonic() - started
         found = None
-        if interface is not None and netif.exists(interface):  # the target node takes it
-            with contextlib.suppress(netif.InterfaceError):
-                found = {"name": interface, "address": netif.address_of(interface),
-                         "netns": os.environ.get(netif.NETNS_ENV)}  # fmt: skip
-        size = sum(f.stat().st_size for f in Path(images_dir).iterdir() if f.is_file())
+        with step("interface"):
+            if interface is not None and netif.exists(interface):  # the target node takes it
+                with contextlib.suppress(netif.InterfaceError):
+                    found = {"name": interface, "address": netif.address_of(interface),
+                             "netns": os.environ.get(netif.NETNS_ENV)}  # fmt: skip
+        with step("image_size"):
+            size = sum(f.stat().st_size for f in Path(images_dir).iterdir() if f.is_file())
+            stats = criu.dump_stats(images_dir)
         return CheckpointResult(dump_s=took, image_bytes=size, gpu_checkpoint_s=gpu_s,
                                 gpu_times=gpu_times, gpus_before=gpus_before,
                                 gpu_bytes=gpu_bytes, interface=found,
-                                criu_stats=criu.dump_stats(images_dir))  # fmt: skip
+                                criu_stats=stats, steps=step.seconds)  # fmt: skip
 
     def restore(
         self,
@@ -142,36 +167,45 @@ class ProcessMover:
         ``restore_tree``: restores the tree instead of CRIU alone (a container's runtime), and
         returns its init's PID, which the GPU state then goes to."""
         gpu_s, gpu_times, target = 0.0, {}, None
+        step = _Steps()
         started = time.monotonic()
         lazy = None
         if self.lazy and restore_tree is None and gpu is None:
             lazy = criu.LazyPages(images_dir)
         with _as_migration_error():
             if interface:
-                netif.take(interface["name"], interface["address"], interface["netns"])
-            if restore_tree is not None:
-                pid = restore_tree()
-            else:
-                if lazy is not None:
-                    lazy.start()
-                try:
-                    criu.restore(images_dir, tcp_close=True, inherit_fds=inherit_fds, lazy=lazy)
-                except criu.CriuError:
+                with step("interface"):
+                    netif.take(interface["name"], interface["address"], interface["netns"])
+            with step("criu_restore"):
+                if restore_tree is not None:
+                    pid = restore_tree()
+                else:
                     if lazy is not None:
-                        lazy.stop()
-                    raise
+                        lazy.start()
+                    try:
+                        criu.restore(images_dir, tcp_close=True, inherit_fds=inherit_fds,
+                                     lazy=lazy)  # fmt: skip
+                    except criu.CriuError:
+                        if lazy is not None:
+                            lazy.stop()
+                        raise
             took = time.monotonic() - started
             if lazy is not None:  # from now on the tree runs on pages still arriving
                 threading.Thread(target=_watch_lazy_pages, args=(lazy, pid),
                                  name="xmig-lazy-pages", daemon=True).start()  # fmt: skip
             if gpu is not None:  # onto this node's GPU for its local rank
-                target = cuda.device_uuid(local_rank)
-                pairs = cuda.restore_pairs(gpu, target, list(gpus_before), cuda.machine_gpus())
+                with step("gpu_pairs"):
+                    target = cuda.device_uuid(local_rank)
+                    pairs = cuda.restore_pairs(gpu, target, list(gpus_before),
+                                               cuda.machine_gpus())  # fmt: skip
                 checkpoint = cuda.GpuCheckpoint(pid)
-                gpu_s, gpu_times = checkpoint.load(pairs), checkpoint.times
+                with step("gpu_restore"):
+                    gpu_s, gpu_times = checkpoint.load(pairs), checkpoint.times
+        with step("criu_stats"):
+            stats = criu.restore_stats(images_dir)
         return RestoreResult(restore_s=took, gpu_restore_s=gpu_s, gpu_times=gpu_times,
-                             to_gpu=target, lazy=lazy is not None,
-                             criu_stats=criu.restore_stats(images_dir))  # fmt: skip
+                             to_gpu=target, lazy=lazy is not None, criu_stats=stats,
+                             steps=step.seconds)  # fmt: skip
 
 
 def _watch_lazy_pages(lazy: criu.LazyPages, pid: int) -> None:
