@@ -24,6 +24,7 @@ from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch, wait_for_aborts, wait_let_go
 from xmig.state import params_sha256
 from xmig.wire import WireError
+from xmig.worker import teardown
 from xmig.worker.backend import init_process_group
 from xmig.worker.context import WorkerContext
 from xmig.worker.data import Batches
@@ -107,6 +108,8 @@ class Session:
             ctx.orders.start()
         if replacement is not None:
             replacement.start_receiving()
+        if env.managed and teardown.wanted():  # after ``close``: atexit runs the last first
+            atexit.register(teardown.quicken_exit)
         atexit.register(self.close)
 
     def _make_group(
