@@ -481,3 +481,33 @@ def test_restore_stats_are_read_from_criu_s_image(tmp_path: Path) -> None:
     assert criu.restore_stats(tmp_path / "missing") == {}
     (tmp_path / "stats-restore").write_bytes(raw[:10])
     assert criu.restore_stats(tmp_path) == {}
+
+
+@needs_criu
+def test_criu_s_kernel_cache_is_made_where_run_is_no_tmpfs(tmp_path: Path) -> None:
+    """CRIU keeps what it probed of the kernel only on a tmpfs ``/run``; elsewhere xmig makes
+    the cache for it once per boot and CRIU, and a dump then loads it instead of probing."""
+    if shutil.which("unshare") is None or criu._is_tmpfs(criu.KDAT_CACHE.parent):
+        pytest.skip("no unshare, or /run is a tmpfs (CRIU keeps its cache itself)")
+    kept = {p: p.read_bytes() for p in (criu.KDAT_CACHE, criu._KDAT_MARK) if p.is_file()}
+    try:
+        for p in (criu.KDAT_CACHE, criu._KDAT_MARK):
+            p.unlink(missing_ok=True)
+        assert "made" in criu.keep_kdat_cache()
+        made = criu.KDAT_CACHE.read_bytes()
+        assert len(made) > 0 and "boot " in criu._KDAT_MARK.read_text()
+        assert "already made" in criu.keep_kdat_cache()
+        criu._KDAT_MARK.write_text("boot another; Version: 0")  # another boot or CRIU
+        said = criu.keep_kdat_cache()
+        assert "made" in said and "already" not in said
+        proc, marker = _holder(tmp_path, 1)
+        try:
+            subprocess.run([criu.find_criu(), "dump", "-t", str(proc.pid), "-D", str(tmp_path),
+                            "-o", "dump.log", "-v3"], check=True, timeout=60)  # fmt: skip
+            proc.wait(timeout=10)
+        finally:
+            _kill(proc.pid, marker)
+        assert "Loaded kdat cache" in (tmp_path / "dump.log").read_text()
+    finally:
+        for p, data in kept.items():
+            p.write_bytes(data)

@@ -497,6 +497,8 @@ class Agent:
 
     def _report_criu(self) -> None:
         usable, detail = criu.criu_status()
+        if usable:
+            log.debug("CRIU's kernel cache: %s", criu.keep_kdat_cache())
         gpus = cuda.node_gpus()
         self._post(ToCoordinator(CriuStatus(node=self.node_rank, usable=usable, detail=detail,
                                             gpus=gpus)))  # fmt: skip
