@@ -511,3 +511,32 @@ def test_criu_s_kernel_cache_is_made_where_run_is_no_tmpfs(tmp_path: Path) -> No
     finally:
         for p, data in kept.items():
             p.write_bytes(data)
+
+
+def test_a_criu_check_past_its_bound_is_ended_with_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making the kernel cache never hangs an agent, nor leaves a criu behind it."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare")
+    if criu._is_tmpfs(criu.KDAT_CACHE.parent):
+        pytest.skip("/run is a tmpfs: no cache is made")
+    marker = f"xmigtest-{secrets.token_hex(4)}"
+    fake = tmp_path / "criu"
+    sleeper = f'{sys.executable} -c "import time; time.sleep(60)" {marker}'
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "Version: 9.9"; exit 0; }}\n'
+                    f"exec {sleeper}\n")  # fmt: skip
+    fake.chmod(0o755)
+    monkeypatch.setenv(criu.ENV_VAR, str(fake))
+    kept = {p: p.read_bytes() for p in (criu.KDAT_CACHE, criu._KDAT_MARK) if p.is_file()}
+    try:
+        started = time.monotonic()
+        said = criu.keep_kdat_cache(timeout=1.0)
+        assert "did not end in 1 s" in said and time.monotonic() - started < 10
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+        assert left.stdout.strip() == "", "the sleeping check outlived its bound"
+        assert {p: p.read_bytes() for p in kept} == kept  # nothing written
+    finally:
+        subprocess.run(["pkill", "-9", "-f", marker], check=False)
+        for p, data in kept.items():
+            p.write_bytes(data)

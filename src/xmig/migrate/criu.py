@@ -15,10 +15,13 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from xmig.procs import kill_group
 
 MIN_VERSION: tuple[int, int] = (4, 2)
 """The oldest CRIU that works on the kernels this runs on."""
@@ -199,17 +202,25 @@ def keep_kdat_cache(*, timeout: float = 30.0) -> str:
                 return f"{KDAT_CACHE} already made for this boot and CRIU"
         script = ('mount -t tmpfs xmig-kdat /run && "$0" check >/dev/null 2>&1; '
                   f'cat {KDAT_CACHE}')  # fmt: skip
-        out = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c",
-                              script, path], capture_output=True, timeout=timeout,
-                             check=False)  # fmt: skip
-        if out.returncode != 0 or not out.stdout:
+        # a group of its own, ended whole past the bound (criu check is the shell's child)
+        proc = subprocess.Popen([unshare, "--mount", "--propagation", "private", "sh", "-c",
+                                 script, path], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+        try:
+            cache, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return f"criu check did not end in {timeout:g} s (killed): no cache"
+        if proc.returncode != 0 or not cache:
             return "criu check made no cache: none kept"
-        for target, data in ((KDAT_CACHE, out.stdout), (_KDAT_MARK, made_for.encode())):
+        for target, data in ((KDAT_CACHE, cache), (_KDAT_MARK, made_for.encode())):
             partial = target.with_name(f".{target.name}.{os.getpid()}")
             partial.write_bytes(data)
             os.chmod(partial, 0o600)
             os.replace(partial, target)
-        return f"{KDAT_CACHE} made ({len(out.stdout)} bytes)"
+        return f"{KDAT_CACHE} made ({len(cache)} bytes)"
     except Exception as exc:  # a cache is a speed-up: its absence must not stop anything
         return f"no cache: {type(exc).__name__}: {exc}"
 
