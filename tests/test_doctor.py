@@ -18,7 +18,7 @@ def test_report_shape(capsys: pytest.CaptureFixture[str]) -> None:
     report = doctor.doctor_report()
     names = [name for name, _, _ in report]
     assert names == ["CRIU", "root", "network namespaces", "parking folder", "images folder",
-                     "transparent huge pages", "CUDA checkpoint API", "runc"]  # fmt: skip
+                     "transparent huge pages", "pipe size", "CUDA checkpoint API", "runc"]  # fmt: skip
     for name, ok, detail in report:
         assert isinstance(name, str) and isinstance(ok, bool)
         assert isinstance(detail, str) and detail.strip(), name
@@ -128,3 +128,31 @@ def test_transparent_huge_pages_are_advice(tmp_path, text, expected):
 def test_a_kernel_without_transparent_huge_pages(tmp_path):
     ok, detail = doctor.check_transparent_huge_pages(tmp_path / "missing")[1:]
     assert ok and "not in this kernel" in detail
+
+
+def _status(tmp_path, cap_eff):
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n")
+    return status
+
+
+@pytest.mark.parametrize(
+    ("limit", "cap_eff", "expected"),
+    [
+        ("1048576\n", "000001fffeffffff", "fs.pipe-max-size is 1048576 and CAP_SYS_RESOURCE"),
+        ("4194304\n", "000001fffeffffff", "fs.pipe-max-size is 4194304: CRIU's dump fills"),
+        ("1048576\n", "000001ffffffffff", "CAP_SYS_RESOURCE held"),
+    ],
+)
+def test_pipe_size_is_advice(tmp_path, limit, cap_eff, expected):
+    setting = tmp_path / "pipe-max-size"
+    setting.write_text(limit)
+    name, ok, detail = doctor.check_pipe_size(setting, _status(tmp_path, cap_eff))
+    assert ok and detail.startswith(expected)
+    assert ("sysctl -w fs.pipe-max-size=4194304" in detail) == ("and CAP" in expected)
+    assert ("1024 KiB" in detail) == ("and CAP" in expected)
+
+
+def test_pipe_size_unreadable(tmp_path):
+    ok, detail = doctor.check_pipe_size(tmp_path / "missing", _status(tmp_path, "0"))[1:]
+    assert ok and "cannot be read" in detail

@@ -1,7 +1,8 @@
 """``xmig doctor``: whether this machine has what moving a process needs (and containers).
 
 Checks CRIU, root, network namespaces through ``ip netns``, the folder a moving rank parks
-its tensors in, the folder CRIU's images go to, the kernel's transparent huge pages (advice),
+its tensors in, the folder CRIU's images go to, the kernel's transparent huge pages and
+the largest pipe CRIU may fill (advice),
 on a GPU machine the CUDA checkpoint API, and runc for container mode.
 Every check reports instead of raising.
 """
@@ -115,6 +116,47 @@ def check_transparent_huge_pages(setting: Path = THP_ENABLED) -> Check:
                         "allows it")  # fmt: skip
 
 
+PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
+CRIU_PIPE_BYTES = 4 << 20
+"""The largest pipe CRIU's dump fills with a process's pages (1024 pages: its own cap,
+``PIPE_MAX_SIZE`` in its ``page-pipe.h``, rounded up by the kernel)."""
+CAP_SYS_RESOURCE = 24
+
+
+def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/self/status")
+                    ) -> Check:  # fmt: skip
+    """Whether CRIU's dump can fill pipes of 4 MiB. Without ``CAP_SYS_RESOURCE`` (root in a
+    container often lacks it) a pipe grows only to ``fs.pipe-max-size``, 1 MiB by default,
+    and the dump moves a process's pages in four times as many rounds: 0.08 s more per GB
+    dumped (CPU machine, ``bench/criu_pipes.py``). Advice only: the limit is the machine's,
+    for every process on it."""
+    name = "pipe size"
+    try:
+        limit = int(setting.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return name, True, f"{setting} cannot be read: CRIU's pipes are the kernel's default"
+    if _has_capability(status, CAP_SYS_RESOURCE):
+        return name, True, "CAP_SYS_RESOURCE held: CRIU's dump grows its pipes past the limit"
+    if limit >= CRIU_PIPE_BYTES:
+        return name, True, f"fs.pipe-max-size is {limit}: CRIU's dump fills pipes of 4 MiB"
+    return name, True, (f"fs.pipe-max-size is {limit} and CAP_SYS_RESOURCE is not held: CRIU's "
+                        f"dump fills pipes of {limit >> 10} KiB, 0.08 s more per GB dumped; "
+                        f"`sysctl -w fs.pipe-max-size={CRIU_PIPE_BYTES}` on nodes that move "
+                        "ranks away, if the node's other work allows it")  # fmt: skip
+
+
+def _has_capability(status: Path, bit: int) -> bool:
+    """Whether this process's effective capabilities (``CapEff`` in ``status``) hold ``bit``
+    (False where it cannot be read)."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def check_netns(timeout: float = 10.0) -> Check:
     """``ip netns`` works; as root, a namespace is really added and deleted."""
     name = "network namespaces"
@@ -223,6 +265,7 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_park_dir,
     check_images_dir,
     check_transparent_huge_pages,
+    check_pipe_size,
     check_cuda_checkpoint,
     check_runc,
 )
