@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from recovery_cpu import REPO, machine, xmig_summary
 
+from xmig.launch.doctor import check_pipe_size, check_transparent_huge_pages
 from xmig.migrate import criu_status
 
 SIZES = {  # name: model flags (small batches: the point is the process's size, not speed)
@@ -91,6 +92,9 @@ def main() -> int:
     if not usable:
         print(f"CRIU is not usable here: {detail}", file=sys.stderr)
         return 2
+    # the machine's settings that a move's time depends on
+    detail += "; huge pages " + check_transparent_huge_pages()[2].split(":")[0]
+    detail += "; " + check_pipe_size()[2].split(":")[0]
     if args.gpu and not torch.cuda.is_available():
         print("--gpu: no CUDA device here", file=sys.stderr)
         return 2
