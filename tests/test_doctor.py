@@ -18,7 +18,8 @@ def test_report_shape(capsys: pytest.CaptureFixture[str]) -> None:
     report = doctor.doctor_report()
     names = [name for name, _, _ in report]
     assert names == ["CRIU", "root", "network namespaces", "parking folder", "images folder",
-                     "transparent huge pages", "pipe size", "CUDA checkpoint API", "runc"]  # fmt: skip
+                     "transparent huge pages", "pipe size", "CUDA checkpoint API",
+                     "runc"]  # fmt: skip
     for name, ok, detail in report:
         assert isinstance(name, str) and isinstance(ok, bool)
         assert isinstance(detail, str) and detail.strip(), name

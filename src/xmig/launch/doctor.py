@@ -127,7 +127,7 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
                     ) -> Check:  # fmt: skip
     """Whether CRIU's dump can fill pipes of 4 MiB. Without ``CAP_SYS_RESOURCE`` (root in a
     container often lacks it) a pipe grows only to ``fs.pipe-max-size``, 1 MiB by default,
-    and the dump moves a process's pages in four times as many rounds: 0.08 s more per GB
+    and the dump moves a process's pages in four times as many rounds: 0.08-0.11 s more per GiB
     dumped (CPU machine, ``bench/criu_pipes.py``). Advice only: the limit is the machine's,
     for every process on it."""
     name = "pipe size"
@@ -140,7 +140,7 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
     if limit >= CRIU_PIPE_BYTES:
         return name, True, f"fs.pipe-max-size is {limit}: CRIU's dump fills pipes of 4 MiB"
     return name, True, (f"fs.pipe-max-size is {limit} and CAP_SYS_RESOURCE is not held: CRIU's "
-                        f"dump fills pipes of {limit >> 10} KiB, 0.08 s more per GB dumped; "
+                        f"dump fills pipes of {limit >> 10} KiB, about 0.1 s more per GiB dumped; "
                         f"`sysctl -w fs.pipe-max-size={CRIU_PIPE_BYTES}` on nodes that move "
                         "ranks away, if the node's other work allows it")  # fmt: skip
 
