@@ -127,9 +127,9 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
                     ) -> Check:  # fmt: skip
     """Whether CRIU's dump can fill pipes of 4 MiB. Without ``CAP_SYS_RESOURCE`` (root in a
     container often lacks it) a pipe grows only to ``fs.pipe-max-size``, 1 MiB by default,
-    and the dump moves a process's pages in four times as many rounds: 0.08-0.11 s more per GiB
-    dumped (CPU machine, ``bench/criu_pipes.py``). Advice only: the limit is the machine's,
-    for every process on it."""
+    and the dump hands a process's pages over in four times as many rounds: 0.13-0.17 s per
+    GiB against 0.04-0.06 s (CPU machine, ``bench/criu_pipes.py``). Advice only: the limit is
+    the machine's, for every process on it."""
     name = "pipe size"
     try:
         limit = int(setting.read_text().split()[0])
