@@ -21,20 +21,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-cat >"$WORK/hold.py" <<'EOF'
-import hashlib, os, sys, time
-work, size = sys.argv[1], int(sys.argv[2]) << 20
-memory = bytearray(os.urandom(1 << 20)) * (size >> 20)
-digest = hashlib.sha256(memory).hexdigest()
-open(f"{work}/ready.tmp", "w").write(str(os.getpid()))
-os.rename(f"{work}/ready.tmp", f"{work}/ready")
-while not os.path.exists(f"{work}/go"):
-    time.sleep(0.005)
-started = time.monotonic()
-same = hashlib.sha256(memory).hexdigest() == digest
-open(f"{work}/done.tmp", "w").write(f"{same} {time.monotonic() - started:.3f}")
-os.rename(f"{work}/done.tmp", f"{work}/done")
-EOF
+HOLD="$(cd "$(dirname "$0")" && pwd)/memory_holder.py"
 
 now() { date +%s%N; }  # nanoseconds
 seconds() { printf '%d.%03d' $(($1 / 1000000000)) $(($1 / 1000000 % 1000)); }
@@ -50,7 +37,7 @@ one() {  # one MIB MODE
     local mib=$1 mode=$2 images="$WORK/images"
     rm -rf "$images" "$WORK"/{ready,go,done}
     mkdir -p "$images"
-    setsid python3 "$WORK/hold.py" "$WORK" "$mib" </dev/null >"$WORK/hold.out" 2>&1 &
+    setsid python3 "$HOLD" "$WORK" "$mib" </dev/null >"$WORK/hold.out" 2>&1 &
     wait_for -f "$WORK/ready"
     HOLDER=$(cat "$WORK/ready")
     local t0 t1 t2 t3
