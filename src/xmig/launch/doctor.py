@@ -128,8 +128,9 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
     """Whether CRIU's dump can fill pipes of 4 MiB. Without ``CAP_SYS_RESOURCE`` (root in a
     container often lacks it) a pipe grows only to ``fs.pipe-max-size``, 1 MiB by default,
     and the dump hands a process's pages over in four times as many rounds: 0.13-0.17 s per
-    GiB against 0.04-0.06 s (CPU machine, ``bench/criu_pipes.py``). Advice only: the limit is
-    the machine's, for every process on it."""
+    GiB against 0.04-0.06 s (CPU machine, ``bench/criu_pipes.py``). Larger pipes also let a
+    tmpfs mounted ``huge=within_size`` take the image in huge pages, whose allocation was
+    slow in every other dump there. Information only: the limit is the machine's."""
     name = "pipe size"
     try:
         limit = int(setting.read_text().split()[0])
@@ -140,10 +141,11 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
     if limit >= CRIU_PIPE_BYTES:
         return name, True, f"fs.pipe-max-size is {limit}: CRIU's dump fills pipes of 4 MiB"
     return name, True, (f"fs.pipe-max-size is {limit} and CAP_SYS_RESOURCE is not held: CRIU's "
-                        f"dump fills pipes of {limit >> 10} KiB; with `sysctl -w "
-                        f"fs.pipe-max-size={CRIU_PIPE_BYTES}` it hands the pages over in fewer "
-                        "rounds (from 1 MiB, a quarter: 0.08-0.11 s less per GiB on a 2-core "
-                        "machine; the whole dump's gain is not measured yet)")  # fmt: skip
+                        f"dump fills pipes of {limit >> 10} KiB. Pipes of 4 MiB (`sysctl -w "
+                        f"fs.pipe-max-size={CRIU_PIPE_BYTES}`) handed the pages over 0.1 s per "
+                        "GiB faster on a 2-core machine, but into a tmpfs with huge pages every "
+                        "other dump's writing took 1 s instead of 0.15 s there: measure with "
+                        "bench/criu_pipes.py before changing it")  # fmt: skip
 
 
 def _has_capability(status: Path, bit: int) -> bool:
