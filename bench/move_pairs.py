@@ -93,26 +93,35 @@ def sysctl_path(key: str) -> Path:
     return Path("/proc/sys") / key.replace(".", "/")
 
 
-def one_move(work: Path, variant: Variant, index: int, model: list[str], gpu: bool,
-             timeout: float) -> dict:  # fmt: skip
-    """Move the rank once under ``variant``; what the migration's record says."""
+LAYOUT = ["--nnodes", "1", "--nproc-per-node", "1", "--spare-nodes", "1", "--simulate-hosts",
+          "--hot-spares", "0"]  # fmt: skip
+
+
+def run_job(work: Path, name: str, variant: Variant, model: list[str], gpu: bool,
+            timeout: float, extra: list[str]) -> dict:  # fmt: skip
+    """One job of one rank on a simulated host and a spare one, with ``variant``'s code and
+    environment; its summary."""
     env = dict(os.environ)
     if variant.src:
         env["PYTHONPATH"] = variant.src
     env.update(variant.env)
+    script = [] if gpu else ["--step-sleep", str(CPU_STEP_SLEEP_S)]
+    return xmig_summary(work, name, GPU_STEPS if gpu else STEPS, [*LAYOUT, *extra], script,
+                        model=model, nproc=1, timeout=timeout, env=env)  # fmt: skip
+
+
+def one_move(work: Path, variant: Variant, index: int, model: list[str], gpu: bool,
+             timeout: float) -> dict:  # fmt: skip
+    """Move the rank once under ``variant`` (its files removed and its kernel settings made
+    first, those put back after); what the migration's record says."""
     for path in variant.remove:
         Path(path).unlink(missing_ok=True)
     saved = {key: sysctl_path(key).read_text().strip() for key in variant.sysctl}
     try:
         for key, value in variant.sysctl.items():
             sysctl_path(key).write_text(value)
-        flags = ["--nnodes", "1", "--nproc-per-node", "1", "--spare-nodes", "1",
-                 "--simulate-hosts", "--hot-spares", "0",
-                 "--inject", f"migrate:rank=0:step={MOVE_AT}"]  # fmt: skip
-        script = [] if gpu else ["--step-sleep", str(CPU_STEP_SLEEP_S)]
-        summary = xmig_summary(work, f"move{index}-{variant.name}", GPU_STEPS if gpu else STEPS,
-                               flags, script, model=model, nproc=1, timeout=timeout,
-                               env=env)  # fmt: skip
+        summary = run_job(work, f"move{index}-{variant.name}", variant, model, gpu, timeout,
+                          ["--inject", f"migrate:rank=0:step={MOVE_AT}"])  # fmt: skip
     finally:
         for key, value in saved.items():
             sysctl_path(key).write_text(value)
@@ -202,15 +211,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="xmig-move-pairs-"))
     started = time.monotonic()
     by_name = {v.name: v for v in variants}
-    env = dict(os.environ)
-    if variants[0].src:
-        env["PYTHONPATH"] = variants[0].src
-    env.update(variants[0].env)
-    flags = ["--nnodes", "1", "--nproc-per-node", "1", "--spare-nodes", "1",
-             "--simulate-hosts", "--hot-spares", "0"]  # fmt: skip
-    script = [] if args.gpu else ["--step-sleep", str(CPU_STEP_SLEEP_S)]
-    fault_free = xmig_summary(work, "reference", GPU_STEPS if args.gpu else STEPS, flags, script,
-                              model=model, nproc=1, timeout=args.timeout, env=env)  # fmt: skip
+    try:
+        fault_free = run_job(work, "reference", variants[0], model, args.gpu, args.timeout, [])
+    except (RuntimeError, OSError, json.JSONDecodeError) as exc:
+        print(f"the fault-free run failed: {exc} (logs in {work})", file=sys.stderr)
+        return 1
     expected = fault_free.get("final_params_sha256")
     print(f"reference: {expected}", flush=True)
     moves: list[dict] = []
