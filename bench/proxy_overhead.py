@@ -60,12 +60,6 @@ def main() -> None:
         help="how often the proxy checks whether a GPU op has finished (default: the proxy's)",
     )
     parser.add_argument(
-        "--timer-slack-ns",
-        type=int,
-        help="how late the kernel may end the proxy's waiter's sleeps between polls; 0: "
-        "the kernel's default (default: the proxy's)",
-    )
-    parser.add_argument(
         "--profile-boundary",
         help="a file for cProfile's account of xmig's step boundaries (the step loop's thread)",
     )
@@ -79,12 +73,10 @@ def main() -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stacks_after, exit=True)
-    import xmig.proxy.process_group as proxy_module
-
     if args.poll_us is not None:
+        import xmig.proxy.process_group as proxy_module
+
         proxy_module.GPU_POLL_S = args.poll_us / 1e6
-    if args.timer_slack_ns is not None:
-        proxy_module.WAITER_TIMER_SLACK_NS = args.timer_slack_ns or None
     gpt_args = train_gpt.parse_args(model_args)
     cfg = train_gpt.build_config(gpt_args)
 

@@ -493,39 +493,3 @@ def test_an_op_that_fails_after_its_launch_is_gated_then_reported_and_replayed()
     replay_groups([proxy], 4, timeout=10.0)
     assert gates[0].releases == [1] and not proxy.gates_closed()
     assert tensor.tolist() == [2.0, 2.0, 2.0]
-
-
-def test_the_waiter_sleeps_between_polls_with_a_fine_timer_slack(monkeypatch):
-    import xmig.proxy.process_group as proxy_module
-
-    calls = []
-
-    def record(nanoseconds):
-        calls.append((threading.current_thread().name, nanoseconds))
-        return True
-
-    monkeypatch.setattr(proxy_module, "set_timer_slack", record)
-    _host_proxy()
-    _until(lambda: calls)
-    assert calls == [("xmig-proxy", proxy_module.WAITER_TIMER_SLACK_NS)]
-
-
-def test_a_threads_timer_slack_is_its_own():
-    import ctypes
-    from pathlib import Path
-
-    from xmig.procs import set_timer_slack
-
-    seen = []
-
-    def in_thread():
-        seen.append(set_timer_slack(1000))
-        seen.append(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK
-
-    own = Path("/proc/self/timerslack_ns")
-    before = own.read_text()
-    thread = threading.Thread(target=in_thread)
-    thread.start()
-    thread.join()
-    assert seen == [True, 1000]
-    assert own.read_text() == before  # the main thread's is untouched

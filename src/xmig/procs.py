@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_TIMERSLACK = 29
 
 
 def die_with_parent() -> None:
@@ -22,16 +21,6 @@ def die_with_parent() -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def set_timer_slack(nanoseconds: int) -> bool:
-    """Let the kernel end this thread's sleeps at most ``nanoseconds`` late (Linux's default
-    is 50 µs, which more than doubles a 50 µs sleep). False where it could not be set."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(nanoseconds), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def start_waiting(command: Sequence[str], cwd: str, environ: dict[str, str],

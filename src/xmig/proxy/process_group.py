@@ -29,7 +29,6 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
 from xmig.ccl.wake import woken
-from xmig.procs import set_timer_slack
 from xmig.proxy.gate import GATED_OPS, GateUnavailable, StreamGate, side_stream
 from xmig.proxy.oplog import (
     INPUT_ARGS,
@@ -45,10 +44,6 @@ logger = logging.getLogger(__name__)
 
 FORWARDED_OPS = tuple(INPUT_ARGS)
 GPU_POLL_S = 50e-6
-# how late the kernel may end the waiter's sleeps between polls (None: its default, 50 µs,
-# which made a 50 µs sleep last 150 µs on the CPU machine; every op completed on the host,
-# and every gate, waits out the waiter's last sleep)
-WAITER_TIMER_SLACK_NS: int | None = 1000
 
 BeforeOp = Callable[[int | None, int, str], None]
 GateFactory = Callable[[Any], Any]  # a device -> its gate (``StreamGate``)
@@ -447,8 +442,6 @@ class ProxyProcessGroup(dist.ProcessGroup):
 
     # ---- completing -------------------------------------------------------------------------
     def _wait_loop(self) -> None:
-        if WAITER_TIMER_SLACK_NS is not None and not set_timer_slack(WAITER_TIMER_SLACK_NS):
-            logger.debug("the waiter's timer slack stays the kernel's default")
         while True:
             try:
                 self._complete_in_order()
