@@ -165,25 +165,25 @@ def test_a_socket_that_is_gone_is_dropped_and_the_waker_ends() -> None:
             assert not waker._thread.is_alive() and waker.addresses == []
 
 
-def test_waking_is_off_unless_the_job_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waking_is_on_unless_the_job_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     stop, seen = threading.Event(), {}
     name = f"{wake.SOCKET_PREFIX}0-{secrets.token_hex(6)}"
     sock, thread = _nccl_like_service(name, stop, seen, poll_ms=wake.SERVICE_POLL_MS)
     try:
         _wait_polling(seen)
-        for value in (None, "0"):
+        monkeypatch.setenv("XMIG_NCCL_WAKE", "0")
+        with wake.woken() as waker:
+            assert waker is None
+        for value in (None, "1"):
             if value is None:
                 monkeypatch.delenv("XMIG_NCCL_WAKE", raising=False)
             else:
                 monkeypatch.setenv("XMIG_NCCL_WAKE", value)
-            with wake.woken() as waker:
-                assert waker is None
-        monkeypatch.setenv("XMIG_NCCL_WAKE", "1")
-        for _ in range(100):  # until the thread is caught inside its 500 ms wait
-            with wake.woken() as waker:
-                assert waker is not None
-                if waker.addresses:
-                    break
-        assert waker.addresses == [wake.abstract_address(name).decode()]
+            for _ in range(100):  # until the thread is caught inside its 500 ms wait
+                with wake.woken() as waker:
+                    assert waker is not None
+                    if waker.addresses:
+                        break
+            assert waker.addresses == [wake.abstract_address(name).decode()]
     finally:
         _end(stop, sock, thread)

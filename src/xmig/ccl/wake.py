@@ -23,13 +23,14 @@ for the answer on a socket of its own with the same prefix, but not in such a ``
 datagram there would fail that exchange, and none is sent to it. Where the waits cannot be
 read (another architecture, ``/proc`` refused), nothing is sent.
 
-Measured on an H100 (NCCL 2.28.9, ``bench/results/gpu-speed.md``, sixth session): a
-communicator's shutdown took 0.446 s without and 0.016 s with it (``bench/nccl_close.py
+Measured on H100s (NCCL 2.28.9, ``bench/results/gpu-speed.md``, sixth and tenth sessions):
+a communicator's shutdown took 0.446 s without and 0.016 s with it (``bench/nccl_close.py
 --wake``); its abort 0.95 s either way (what waits there is not this socket). In a 1.5 GB
-move the pause's ``stop`` fell from 0.08–0.16 s to 0.02–0.04 s, but the downtime did not
-change beyond its spread (9 pairs, ABBA: the woken move took 0.91–1.11 times as long, median
-1.03): the dumps after a woken close were slower (median 0.76 against 0.68 s), as if the time
-saved moved into them. So it stays off unless ``XMIG_NCCL_WAKE=1``.
+move the pause's ``stop`` took 0.022–0.032 s in 15 woken moves against 0.035–0.512 s without
+(wherever NCCL's 500 ms period happened to be): the downtime's worst case fell from 2.53 to
+2.02 s and its mean from 2.07 to 1.88 s (tenth session), though the later phases of a woken
+move were a little slower (0.05 s, median; 0.08 s in the sixth session, where the 9 pairs'
+ratio was 0.91–1.11, median 1.03). On by default; ``XMIG_NCCL_WAKE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -194,9 +195,9 @@ def nccl_services_woken(poll_ms: int = SERVICE_POLL_MS) -> ServiceWaker:
 @contextlib.contextmanager
 def woken(enabled: bool | None = None) -> Iterator[ServiceWaker | None]:
     """``nccl_services_woken()`` around the block, or nothing when not ``enabled`` (by
-    default: only with ``XMIG_NCCL_WAKE=1``)."""
+    default: unless ``XMIG_NCCL_WAKE=0``)."""
     if enabled is None:
-        enabled = os.environ.get(jobenv.NCCL_WAKE) == "1"
+        enabled = os.environ.get(jobenv.NCCL_WAKE) != "0"
     if not enabled:
         yield None
         return

@@ -128,9 +128,11 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
     """Whether CRIU's dump can fill pipes of 4 MiB. Without ``CAP_SYS_RESOURCE`` (root in a
     container often lacks it) a pipe grows only to ``fs.pipe-max-size``, 1 MiB by default,
     and the dump hands a process's pages over in four times as many rounds: 0.13-0.17 s per
-    GiB against 0.04-0.06 s (CPU machine, ``bench/criu_pipes.py``). Larger pipes also let a
-    tmpfs mounted ``huge=within_size`` take the image in huge pages, whose allocation was
-    slow in every other dump there. Information only: the limit is the machine's."""
+    GiB against 0.04-0.06 s (CPU machine, ``bench/criu_pipes.py``); a 1.5 GB GPU rank moved in
+    1.85 s against 1.95 s (H100, median of 8 and 7 moves, ``bench/move_pairs.py``). On the
+    2-core CPU machine, larger pipes into a tmpfs mounted ``huge=within_size`` made every other
+    dump's writing slow (huge pages slow to come by there). Information only: the limit is
+    the machine's."""
     name = "pipe size"
     try:
         limit = int(setting.read_text().split()[0])
@@ -142,10 +144,10 @@ def check_pipe_size(setting: Path = PIPE_MAX_SIZE, status: Path = Path("/proc/se
         return name, True, f"fs.pipe-max-size is {limit}: CRIU's dump fills pipes of 4 MiB"
     return name, True, (f"fs.pipe-max-size is {limit} and CAP_SYS_RESOURCE is not held: CRIU's "
                         f"dump fills pipes of {limit >> 10} KiB. Pipes of 4 MiB (`sysctl -w "
-                        f"fs.pipe-max-size={CRIU_PIPE_BYTES}`) handed the pages over 0.1 s per "
-                        "GiB faster on a 2-core machine, but into a tmpfs with huge pages every "
-                        "other dump's writing took 1 s instead of 0.15 s there: measure with "
-                        "bench/criu_pipes.py before changing it")  # fmt: skip
+                        f"fs.pipe-max-size={CRIU_PIPE_BYTES}`) moved a 1.5 GB GPU rank in 1.85 s "
+                        "against 1.95 s on an H100 (median); on a 2-core machine with images on "
+                        "a tmpfs with huge pages, every other dump's writing took 1 s instead of "
+                        "0.15 s: measure with bench/criu_pipes.py")  # fmt: skip
 
 
 def _has_capability(status: Path, bit: int) -> bool:
