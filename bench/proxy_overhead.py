@@ -64,6 +64,11 @@ def main() -> None:
         help="a file for cProfile's account of xmig's step boundaries (the step loop's thread)",
     )
     parser.add_argument(
+        "--profile-issue",
+        help="a file for cProfile's account of the proxy's issue of each op after the warm-up "
+        "(on whichever thread issues it: autograd's for DDP's buckets)",
+    )
+    parser.add_argument(
         "--stacks-after",
         type=float,
         help="print every thread's stack after this many seconds (a hang)",
@@ -138,6 +143,7 @@ def main() -> None:
         import cProfile
 
         boundary_profile = cProfile.Profile()
+    issue_profiles = profile_issues(session.proxy) if args.profile_issue else None
 
     def plain_step(i: int) -> None:
         started = time.perf_counter()
@@ -146,6 +152,8 @@ def main() -> None:
 
     def xmig_step() -> None:
         started = time.perf_counter()
+        if issue_profiles is not None and len(boundaries) == args.warmup:
+            issue_profiles.on = True
         if boundary_profile is not None and len(boundaries) >= args.warmup:
             boundary_profile.enable()
             step = next(steps)
@@ -181,6 +189,8 @@ def main() -> None:
         stats.sort_stats("cumulative").print_stats(40)
         stats.sort_stats("tottime").print_stats(25)
         Path(args.profile_boundary).write_text(text.getvalue())
+    if issue_profiles is not None and session.rank == 0:
+        issue_profiles.write(Path(args.profile_issue))
     if session.rank == 0:
         kept = {k: v[args.warmup :] for k, v in times.items()}
         result = {
@@ -215,6 +225,57 @@ def main() -> None:
         print(f"[rank0] plain {result['median_ms']['plain']:.1f} ms, xmig "
               f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
               f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+
+
+class IssueProfiles:
+    """cProfile around each op the proxy issues once ``on``: one profile per issuing thread
+    (a profile records only the thread that enabled it), merged when written."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.ops = 0
+        self.seconds = 0.0
+        self._by_thread: dict[int, object] = {}
+
+    def around(self, issue):  # noqa: ANN001, ANN201 - the proxy's own ``_issue``
+        import cProfile
+        import threading
+
+        def profiled(op, op_args):  # noqa: ANN001, ANN202
+            if not self.on:
+                return issue(op, op_args)
+            profiler = self._by_thread.setdefault(threading.get_ident(), cProfile.Profile())
+            started = time.perf_counter()
+            profiler.enable()
+            try:
+                return issue(op, op_args)
+            finally:
+                profiler.disable()
+                self.seconds += time.perf_counter() - started
+                self.ops += 1
+
+        return profiled
+
+    def write(self, path: Path) -> None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        each = self.seconds * 1e6 / max(self.ops, 1)
+        text.write(f"{self.ops} ops issued under the profiler, {each:.0f} us an op on average "
+                   f"({len(self._by_thread)} issuing threads)\n")  # fmt: skip
+        if self._by_thread:
+            stats = pstats.Stats(*self._by_thread.values(), stream=text)
+            stats.sort_stats("cumulative").print_stats(50)
+            stats.sort_stats("tottime").print_stats(30)
+        path.write_text(text.getvalue())
+
+
+def profile_issues(proxy) -> IssueProfiles:  # noqa: ANN001 - xmig's ProxyProcessGroup
+    """Profile ``proxy``'s issue of each op (from when the returned object is turned on)."""
+    profiles = IssueProfiles()
+    proxy._issue = profiles.around(proxy._issue)
+    return profiles
 
 
 def profile(run_one, count: int, first: int, device: torch.device,
