@@ -3,7 +3,7 @@ ABBA order, each against the first variant's move beside it (CPU or GPU).
 
     python bench/move_pairs.py --variant now \\
         --variant before src=/tmp/old/src remove=/run/criu.kdat \\
-        --variant woken env:XMIG_NCCL_WAKE=1 \\
+        --variant unwoken env:XMIG_NCCL_WAKE=0 \\
         --variant pipes sysctl:fs.pipe-max-size=4194304 \\
         [--gpu] [--size small] [--rounds 2] [--budget 480] [--out F.md] [--jsonl F]
 
