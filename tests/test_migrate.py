@@ -88,10 +88,11 @@ def test_injected_migration_is_bit_identical(tmp_path, tmp_path_factory, measure
     world = int(nnodes) * int(nproc)
     source, target = (1, 2) if nnodes == "2" else (0, 1)
     # the images (and the parking file, which the target finds in place) go over the network
-    # as between machines, though the simulated hosts share this one
+    # as between machines, though the simulated hosts share this one. The steps are paced:
+    # unpaced, the job once ended (6 steps in 0.19 s) before the move's pause could come
     result = run(["--nnodes", nnodes, "--nproc-per-node", nproc, "--spare-nodes", "1",
                   "--simulate-hosts", "--hot-spares", "0", "--inject", "migrate:rank=1:step=3",
-                  str(DEMO), "--steps", str(STEPS), "--quiet"], tmp_path,
+                  str(DEMO), "--steps", str(STEPS), "--quiet", "--step-sleep", "0.2"], tmp_path,
                  env={"XMIG_STREAM_IMAGES": "1"})  # fmt: skip
     assert result.returncode == 0, result.output
     record = check_migrated(result.summary, 1, source, target, world)
