@@ -187,3 +187,12 @@ def test_waking_is_on_unless_the_job_turns_it_off(monkeypatch: pytest.MonkeyPatc
             assert waker.addresses == [wake.abstract_address(name).decode()]
     finally:
         _end(stop, sock, thread)
+
+
+def test_a_value_other_than_0_or_1_is_said_and_wakes_as_by_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("XMIG_NCCL_WAKE", "off")
+    with caplog.at_level("WARNING", logger=wake.__name__), wake.woken() as waker:
+        assert waker is not None
+    assert "XMIG_NCCL_WAKE='off': expected 0 or 1" in caplog.text

@@ -197,7 +197,11 @@ def woken(enabled: bool | None = None) -> Iterator[ServiceWaker | None]:
     """``nccl_services_woken()`` around the block, or nothing when not ``enabled`` (by
     default: unless ``XMIG_NCCL_WAKE=0``)."""
     if enabled is None:
-        enabled = os.environ.get(jobenv.NCCL_WAKE) != "0"
+        value = os.environ.get(jobenv.NCCL_WAKE)
+        if value not in (None, "", "0", "1"):
+            logger.warning("%s=%r: expected 0 or 1; NCCL's close is woken, as by default",
+                           jobenv.NCCL_WAKE, value)  # fmt: skip
+        enabled = value != "0"
     if not enabled:
         yield None
         return
