@@ -1,0 +1,200 @@
+"""What the replay log's copy of each gradient bucket costs a GPU step, by the route the copy
+takes: a prototype of the routes, not xmig's code path.
+
+    NCCL_NVLS_ENABLE=0 python bench/log_routes.py --preset gpt350m --batch-size 8 --steps 30
+
+One process, one GPU, the demo GPT under DDP over a plain NCCL group of one rank, trained with
+one DDP communication hook per variant, steps alternating between the variants (the order
+rotated and reversed every other step) on identical copies of the model. Every hook launches
+the bucket's all-reduce and hands DDP NCCL's own future, as DDP's default hook does; they
+differ only in the copy taken before the launch:
+
+- ``plain``: no hook (DDP's own all-reduce), for reference.
+- ``nocopy``: the hook without a copy: what the routes below are compared with.
+- ``d2d``: into a device buffer on the framework's stream before the launch (xmig's route
+  today): the copy's kernel runs between the backward's kernels.
+- ``d2d_side``: into a device buffer on a stream of its own, the all-reduce launched from it
+  (so NCCL waits for the copy, the backward does not): the copy's kernel shares the GPU with
+  the backward's.
+- ``d2h``: into pinned host memory on a stream of its own, the all-reduce launched from it:
+  the copy engines move it, no kernel runs; the last bucket's all-reduce waits for its copy
+  at the backward's end.
+- ``d2h_last_d2d``: as ``d2h`` but the last bucket (DDP's ``is_last``: the first layers and
+  the embeddings, ready as the backward ends) copied as ``d2d``.
+
+Prints each variant's median step time, its ratio to ``nocopy`` and to ``plain`` (medians of
+paired ratios, with the quartiles), and the largest difference of the final parameters
+between variants (0: the copies change no number). With ``--device cpu`` (gloo) only the
+routes without streams run: a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import train_gpt  # noqa: E402
+
+VARIANTS = ("plain", "nocopy", "d2d", "d2d_side", "d2h", "d2h_last_d2d")
+CPU_VARIANTS = ("plain", "nocopy", "d2d")
+
+
+class Log:
+    """One variant's copies: a buffer per bucket, reused from step to step."""
+
+    def __init__(self, route: str, group: dist.ProcessGroup, side: Any) -> None:
+        self.route = route
+        self.group = group
+        self.side = side  # a CUDA stream of the log's own (None on the CPU)
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self.copied = 0  # bytes, all steps
+
+    def buffer(self, index: int, tensor: torch.Tensor, where: str) -> torch.Tensor:
+        saved = self.buffers.get((index, where))
+        if saved is None or saved.shape != tensor.shape:
+            if where == "host":
+                saved = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            else:
+                saved = torch.empty_like(tensor)
+            self.buffers[(index, where)] = saved
+        return saved
+
+
+def _first(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()[0]
+
+
+def log_hook(log, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations' objects
+    tensor = bucket.buffer()
+    if log.group.size() > 1:  # (one rank: the mean is the sum, as DDP's own mul by 1.0)
+        tensor.div_(log.group.size())
+    route = log.route
+    if route == "d2h_last_d2d":
+        route = "d2d" if bucket.is_last() else "d2h"
+    if route == "nocopy":
+        work = dist.all_reduce(tensor, group=log.group, async_op=True)
+        return work.get_future().then(_first)
+    log.copied += tensor.numel() * tensor.element_size()
+    if route == "d2d":
+        log.buffer(bucket.index(), tensor, "device").copy_(tensor)
+        work = dist.all_reduce(tensor, group=log.group, async_op=True)
+        return work.get_future().then(_first)
+    # on the log's own stream, after the bucket is ready; NCCL waits for the copy, since
+    # it waits for the stream it is launched from
+    side = log.side
+    side.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(side):
+        tensor.record_stream(side)
+        if route == "d2d_side":
+            log.buffer(bucket.index(), tensor, "device").copy_(tensor)
+        else:
+            log.buffer(bucket.index(), tensor, "host").copy_(tensor, non_blocking=True)
+        work = dist.all_reduce(tensor, group=log.group, async_op=True)
+    return work.get_future().then(_first)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS,
+                        help="which to run (default: all that the device has)")  # fmt: skip
+    args, model_args = parser.parse_known_args()
+    on_gpu = args.device == "cuda"
+    names = list(args.variants or (VARIANTS if on_gpu else CPU_VARIANTS))
+    if not on_gpu and set(names) - set(CPU_VARIANTS):
+        parser.error(f"on the CPU only {', '.join(CPU_VARIANTS)} run")
+    if "nocopy" not in names:
+        names.insert(0, "nocopy")
+    if "plain" not in names:
+        names.insert(0, "plain")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    backend = "nccl" if on_gpu else "gloo"
+    # one rank: an in-process store, no port to take
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if on_gpu:
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        torch.use_deterministic_algorithms(True)
+    else:
+        device = torch.device("cpu")
+    gpt_args = train_gpt.parse_args(model_args)
+    cfg = train_gpt.build_config(gpt_args)
+    torch.manual_seed(gpt_args.seed)
+    base = train_gpt.GPT(cfg).to(device)
+    variants: dict[str, tuple[DistributedDataParallel, torch.optim.Optimizer, Log | None]] = {}
+    for name in names:
+        group = dist.new_group(backend=backend)
+        ddp = DistributedDataParallel(copy.deepcopy(base), process_group=group,
+                                      device_ids=[0] if on_gpu else None,
+                                      bucket_cap_mb=gpt_args.bucket_cap_mb)  # fmt: skip
+        log = None
+        if name != "plain":
+            log = Log(name, group, torch.cuda.Stream(device) if on_gpu else None)
+            ddp.register_comm_hook(log, log_hook)
+        variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=gpt_args.lr), log)
+    del base
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(args.steps):
+        order = names[step % len(names) :] + names[: step % len(names)]
+        if step % 2:
+            order.reverse()
+        for name in order:
+            ddp, opt, _ = variants[name]
+            if on_gpu:
+                torch.cuda.synchronize(device)
+            torch.manual_seed(gpt_args.seed + step)  # the same dropout in every variant
+            started = time.perf_counter()
+            x, y = train_gpt.synthetic_batch(gpt_args.seed, step, 0, gpt_args.batch_size,
+                                             cfg.block_size, cfg.vocab_size, device)  # fmt: skip
+            loss = ddp(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if on_gpu:
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - started)
+
+    kept = {k: v[args.warmup :] for k, v in times.items()}
+
+    def paired(name: str, against: str) -> str:
+        ratios = sorted(x / b for x, b in zip(kept[name], kept[against], strict=True))
+        return (f"{statistics.median(ratios):.4f} ({ratios[len(ratios) // 4]:.4f}-"
+                f"{ratios[3 * len(ratios) // 4]:.4f})")  # fmt: skip
+
+    device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    print(f"{device_name}; {len(kept['plain'])} steps each after {args.warmup} warm-up; "
+          f"ratios: median of paired steps (q1-q3)")  # fmt: skip
+    for name in names:
+        log = variants[name][2]
+        copied = log.copied / max(len(times[name]), 1) / 1e6 if log is not None else 0.0
+        print(f"{name:13s} median {statistics.median(kept[name]) * 1000:8.2f} ms  "
+              f"/nocopy {paired(name, 'nocopy')}  /plain {paired(name, 'plain')}  "
+              f"copied {copied:.0f} MB a step")  # fmt: skip
+
+    def largest_difference(a: str, b: str) -> float:
+        pairs = zip(variants[a][0].parameters(), variants[b][0].parameters(), strict=True)
+        return max(float((x.detach() - y.detach()).abs().max()) for x, y in pairs)
+
+    worst = max(largest_difference(name, "plain") for name in names)
+    print(f"after {args.steps} steps, the largest difference of any variant's parameters "
+          f"from plain DDP's: {worst:.3g}")  # fmt: skip
+    dist.destroy_process_group()
+    return 0 if worst == 0.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
