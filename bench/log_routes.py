@@ -1,7 +1,8 @@
 """What the replay log's copy of each gradient bucket costs a GPU step, by the route the copy
 takes: a prototype of the routes, not xmig's code path.
 
-    NCCL_NVLS_ENABLE=0 python bench/log_routes.py --preset gpt350m --batch-size 8 --steps 30
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python bench/log_routes.py --preset gpt350m \
+        --batch-size 8 --steps 30
 
 One process, one GPU, the demo GPT under DDP over a plain NCCL group of one rank, trained with
 one DDP communication hook per variant, steps alternating between the variants (the order
@@ -46,6 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import train_gpt  # noqa: E402
+
+from xmig.proxy.gate import dedicated_stream  # noqa: E402
 
 VARIANTS = ("plain", "nocopy", "d2d", "d2d_side", "d2h", "d2h_last_d2d")
 CPU_VARIANTS = ("plain", "nocopy", "d2d")
@@ -143,7 +146,8 @@ def main() -> int:
                                       bucket_cap_mb=gpt_args.bucket_cap_mb)  # fmt: skip
         log = None
         if name != "plain":
-            log = Log(name, group, torch.cuda.Stream(device) if on_gpu else None)
+            # (not ``torch.cuda.Stream()``: its pool's streams are NCCL's too)
+            log = Log(name, group, dedicated_stream(device) if on_gpu else None)
             ddp.register_comm_hook(log, log_hook)
         variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=gpt_args.lr), log)
     del base
