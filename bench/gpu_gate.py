@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import train_gpt  # noqa: E402
+from rotation import train_in_rotation  # noqa: E402
 
 POLL_S = 20e-6
 
@@ -163,25 +164,8 @@ def main() -> int:
         elif name == "gate":
             ddp.register_comm_hook(({}, poller, group, device, gate), gate_hook)
         variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=gpt_args.lr))
-    times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
-    for step in range(args.steps):
-        order = names[step % len(names) :] + names[: step % len(names)]
-        if step % 2:
-            order.reverse()
-        for name in order:
-            ddp, opt = variants[name]
-            torch.cuda.synchronize(device)
-            torch.manual_seed(gpt_args.seed + step)  # the same dropout in every variant
-            started = time.perf_counter()
-            x, y = train_gpt.synthetic_batch(gpt_args.seed, step, 0, gpt_args.batch_size,
-                                             cfg.block_size, cfg.vocab_size, device)  # fmt: skip
-            loss = ddp(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            torch.cuda.synchronize(device)
-            times[name].append(time.perf_counter() - started)
+    times = train_in_rotation(variants, args.steps, gpt_args, cfg, device)
 
     def differ(a: str, b: str) -> float:
         pairs = zip(variants[a][0].parameters(), variants[b][0].parameters(), strict=True)

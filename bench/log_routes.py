@@ -36,7 +36,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import train_gpt  # noqa: E402
+from rotation import train_in_rotation  # noqa: E402
 
 from xmig.proxy.gate import dedicated_stream  # noqa: E402
 
@@ -151,26 +151,8 @@ def main() -> int:
             ddp.register_comm_hook(log, log_hook)
         variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=gpt_args.lr), log)
     del base
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for step in range(args.steps):
-        order = names[step % len(names) :] + names[: step % len(names)]
-        if step % 2:
-            order.reverse()
-        for name in order:
-            ddp, opt, _ = variants[name]
-            if on_gpu:
-                torch.cuda.synchronize(device)
-            torch.manual_seed(gpt_args.seed + step)  # the same dropout in every variant
-            started = time.perf_counter()
-            x, y = train_gpt.synthetic_batch(gpt_args.seed, step, 0, gpt_args.batch_size,
-                                             cfg.block_size, cfg.vocab_size, device)  # fmt: skip
-            loss = ddp(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if on_gpu:
-                torch.cuda.synchronize(device)
-            times[name].append(time.perf_counter() - started)
+    times = train_in_rotation({name: v[:2] for name, v in variants.items()}, args.steps,
+                              gpt_args, cfg, device)  # fmt: skip
 
     kept = {k: v[args.warmup :] for k, v in times.items()}
 
