@@ -1,12 +1,12 @@
 """Op records: signatures every rank can compare, scratch copies for a re-issue, restoring
-clobbered inputs, and serving an op without the network."""
+clobbered inputs, serving an op without the network, and the pool the log's copies reuse."""
 
 import time
 
 import torch
 import torch.distributed as dist
 
-from xmig.proxy.oplog import OpRecord, signature_of
+from xmig.proxy.oplog import BufferPool, OpRecord, signature_of
 
 
 def _allreduce_opts(op=dist.ReduceOp.SUM):
@@ -272,3 +272,34 @@ def test_records_handed_off_at_a_boundary_are_let_go_before_the_process_exits():
 
     _let_go_later([Slow(), Slow()])
     assert wait_let_go(10.0)
+
+
+# ---- the log's buffer pool -----------------------------------------------------------------
+
+
+def _a_step(pool, tensors, given_back=None):
+    """A boundary's trim (the step before's copies given back), then a step's copies."""
+    pool.new_step()
+    pool.give_back(given_back)
+    return [pool.copy_of(t) for t in tensors]
+
+
+def test_the_pool_keeps_a_spare_for_every_copy_of_one_shape_a_step_asked_for():
+    # identical layers' buckets share a shape: more of them than the pool's least
+    grads = [torch.full((8,), float(i)) for i in range(3 * BufferPool.KEPT_AT_LEAST)]
+    pool = BufferPool()
+    first = _a_step(pool, grads)
+    second = _a_step(pool, grads)
+    third = _a_step(pool, grads, given_back=first)
+    assert {t.data_ptr() for t in third} == {t.data_ptr() for t in first}
+    assert all(torch.equal(copy, grad) for copy, grad in zip(third, grads, strict=True))
+    assert not {t.data_ptr() for t in second} & {t.data_ptr() for t in first}
+
+
+def test_the_pool_drops_the_spares_of_a_shape_no_step_asks_for_any_more():
+    pool = BufferPool()
+    old = _a_step(pool, [torch.ones(8)])  # a layout DDP then rebuilds
+    _a_step(pool, [torch.ones(4)])
+    _a_step(pool, [torch.ones(4)], given_back=old)  # kept for now: a few of any shape are
+    pool.new_step()  # a step that asked for no copy of shape (8,)
+    assert pool.copy_of(torch.ones(8)).data_ptr() != old[0].data_ptr()

@@ -239,6 +239,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 return
             self._trim_due = False
             step = self.step
+            self._buffers.new_step()
             kept, dropped = [], []
             for record in self.log:
                 if (record.step is not None and step is not None and record.step >= step - 1
