@@ -126,6 +126,9 @@ def test_xmig_stop_ends_a_running_job_with_its_reason(tmp_path):
     with launched(job, tmp_path) as proc:
         wait_for(lambda: jobs.is_dir() and list(jobs.glob("*.json")), 60, "the job file")
         env = {"XMIG_JOBS_DIR": str(jobs)}
+        # the job file comes before every agent has said hello: the job is running after
+        wait_for(lambda: ": running," in xmig("status", env=env, timeout=60).stdout, 60,
+                 "the job to run")  # fmt: skip
         stopped = xmig("stop", "--reason", "maintenance window", env=env, timeout=60)
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout.strip() == "xmig: stopping the job"
