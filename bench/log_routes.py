@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import os
 import statistics
 import sys
@@ -115,7 +116,10 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                         help="which to run (default: all that the device has)")  # fmt: skip
+    parser.add_argument("--time-limit", type=float, default=900.0,
+                        help="seconds after which the run prints its stacks and ends")  # fmt: skip
     args, model_args = parser.parse_known_args()
+    faulthandler.dump_traceback_later(args.time_limit, exit=True)  # a hang ends, with its stacks
     on_gpu = args.device == "cuda"
     names = list(args.variants or (VARIANTS if on_gpu else CPU_VARIANTS))
     if not on_gpu and set(names) - set(CPU_VARIANTS):
