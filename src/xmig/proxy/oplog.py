@@ -133,7 +133,8 @@ class BufferPool:
     It keeps, per shape, as many spare buffers as the last step asked for copies of: the
     buckets of identical layers share a shape (at gpt350m, 600 of 950 copies found no spare
     when 4 a shape were kept). A shape no copy asked for during a step has its spares dropped
-    (a bucket layout rebuilt), so the pool never holds more than a step's copies."""
+    (a bucket layout rebuilt): a shape's spares are never more than the step before's copies
+    of it, or 4."""
 
     KEPT_AT_LEAST = 4
 
