@@ -41,7 +41,8 @@ GPU_SIZES = {
     "gpt350m": ["--preset", "gpt350m", "--batch-size", "4"],
     "gpt350m, batch 16": ["--preset", "gpt350m", "--batch-size", "16"],
     # 671 M parameters: its parameters, gradients, AdamW's state, DDP's buckets and the
-    # replay log's copies are ~16 GB of live tensors at a step boundary (18 GB held)
+    # replay log's copies (which a move drops) are ~16 GB of live tensors at a step
+    # boundary (18 GB held)
     "gpt700m": ["--preset", "gpt350m", "--n-layer", "48", "--batch-size", "8"],
 }
 STEPS = 10
@@ -197,7 +198,8 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
         "The moving rank first makes room outside its process for its tensors while the job "
         "still trains (`prepare`: a file in `/dev/shm`, mapped shared; on a GPU registered "
         "with CUDA). At the pause it copies its registered state and the tensors its "
-        "communication log holds (DDP's gradient buckets) into it and frees them (`park`); "
+        "communication log holds (DDP's gradient buckets; the log's copies of the steps "
+        "before the pause it drops once every rank has paused) into it and frees them (`park`); "
         "CRIU keeps the file's mapping by reference, so neither the images nor the GPU "
         "checkpoint carry those bytes. Restored, it allocates them again and copies them back "
         "(`unpark`; on a GPU the file is registered again chunk by chunk, the copies of one "

@@ -184,3 +184,23 @@ def test_a_fault_while_the_world_pauses_for_a_move_saves_the_state(tmp_path, tmp
     assert resumed.returncode == 0, resumed.output
     expected = reference_hash(3, tmp_path_factory, steps=steps)
     assert resumed.summary["final_params_sha256"] == expected
+
+
+@pytest.mark.long
+def test_a_rank_lost_after_a_move_is_recovered_from_the_moved_one(tmp_path, tmp_path_factory):
+    """Rank 1 moves (dropping its replay log's copies of the steps before its pause), then
+    rank 0 is killed in a later step's backward: the moved rank serves the replacement and
+    replays that step from the copies it has taken since, and the run ends bit for bit
+    where the fault-free run does."""
+    steps = 8
+    result = run(["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+                  "--simulate-hosts", "--hot-spares", "0", "--inject", "migrate:rank=1:step=3",
+                  "--inject", "kill:rank=0:step=6:at=backward", str(DEMO), "--steps",
+                  str(steps), "--quiet", "--step-sleep", "0.3"], tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    (record,) = summary["migrations"]
+    assert record["pid_kept"] and record["step"] < 6, record
+    assert summary["worker_pids"]["1"] == [record["pid"]]  # the moved rank survived
+    assert len(summary["recoveries"]) == 1 and len(summary["worker_pids"]["0"]) == 2
+    assert summary["final_params_sha256"] == reference_hash(2, tmp_path_factory, steps)

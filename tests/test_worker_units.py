@@ -534,6 +534,27 @@ def _broadcast(group, tensor):
     group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 
+def test_a_moving_rank_drops_the_log_s_copies_of_the_steps_before_its_pause(proxy):
+    """At a move's pause every rank has ended the steps before it: their copies are dropped
+    (not parked, not moved), the pause step's kept, and a replay that reached a dropped op
+    refuses rather than re-issue it without its input."""
+    buckets = {step: torch.full((256,), float(step)) for step in (3, 4, 5)}
+    for step, bucket in buckets.items():
+        proxy.begin_step(step, defer_trim=True)  # as at a pause: the trim not yet done
+        proxy.allreduce([bucket], dist.AllreduceOptions()).wait()
+    assert proxy.wait_gates_open(5.0) and not proxy.pending()
+    held = proxy.held_tensors()  # the framework's own tensors only, never the copies
+    assert len(held) == 3 and all(any(t is b for b in buckets.values()) for t in held)
+
+    assert proxy.drop_copies_before(5) == 2 * 256 * 4
+    by_step = {r.step: r for r in proxy.logged(3)}
+    assert by_step[3].inputs is None and by_step[4].inputs is None
+    assert torch.equal(by_step[5].inputs[0], buckets[5])
+    with pytest.raises(RuntimeError, match="op 0 of step 4 was not logged"):
+        proxy.replay_one(by_step[4], pending=False, timeout=5.0)
+    assert proxy.drop_copies_before(5) == 0
+
+
 def test_a_replacement_refuses_an_op_the_survivors_did_not_log(proxy):
     tensor = torch.zeros(4)
     proxy.begin_step(7)

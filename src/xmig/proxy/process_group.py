@@ -210,15 +210,31 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self._group_name = name
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The tensors the log holds (the ops' own, and the copies of their inputs): with
-        DDP, its gradient buckets. A moving rank parks them with its registered state."""
+        """The framework's tensors the log holds (the ops' own: with DDP, its gradient
+        buckets). A moving rank parks them with its registered state; the copies of their
+        inputs it drops instead (``drop_copies_before``)."""
         with self._cv:
-            held = []
+            return [t for record in self.log for t in tensors_in(record.args)]
+
+    def drop_copies_before(self, step: int) -> int:
+        """Drop the input copies of the logged ops of the steps before ``step`` (the bytes
+        dropped). For a rank about to move at ``step``'s start, where every rank has paused:
+        all of them have ended those steps, so no replay re-issues their ops (a later
+        recovery replays from ``step`` on), and the move need not carry the copies (at the
+        pause the log still holds two steps of them: with AdamW, a third of what a DDP rank
+        parks). The records stay: a replay that reached them anyway would refuse, for want
+        of their inputs, rather than go on without them."""
+        dropped = 0
+        with self._cv:
+            pending = {id(r) for r in self._queue}
             for record in self.log:
-                held += tensors_in(record.args)
-                # a GPU op's copies in host memory move with the process, not parked
-                held += [t for t in record.inputs or [] if record.device is None or t.is_cuda]
-            return held
+                if (record.step is None or record.step >= step or id(record) in pending
+                        or not record.inputs):  # fmt: skip
+                    continue
+                dropped += sum(t.numel() * t.element_size() for t in record.inputs)
+                record.inputs = None
+        self._buffers.clear()
+        return dropped
 
     def drop_spare_buffers(self) -> None:
         """Give the memory kept for the log's next copies back (a moving rank's: it need not

@@ -245,8 +245,18 @@ class Migration:
         outlive_parent()
         with self._readying:
             ready, self._ready = self._ready, None
+        # every rank has paused at this step's start (the order comes only then): the log's
+        # copies of the steps before are not needed again, and are not moved
+        step = self._paused_at
+        dropped = 0 if step is None else sum(proxy.drop_copies_before(step)
+                                             for proxy in ctx.groups.proxies())  # fmt: skip
         if ready is None:  # no room to park in (or given back for a save): nothing readied
             ready = self._make_ready(None)
+        elif dropped and ctx.backend == "nccl":
+            torch.cuda.empty_cache()  # their blocks are not checkpointed
+        if dropped:
+            logger.info("rank %d: the replay log's copies of the steps before %d dropped "
+                        "(%.2f GB)", ctx.rank, step, dropped / 1e9)  # fmt: skip
         parking = ready.parking
         stack = self._shrink_local_memory()
         ctx.link.ask(ready.message(self._left_on_gpu()), timeout=10.0)
@@ -407,8 +417,8 @@ class Migration:
         return parked
 
     def _parkable(self) -> list[Any]:
-        """What a move parks: the registered objects, and the tensors the communication log
-        holds (DDP's gradient buckets)."""
+        """What a move parks: the registered objects, and the framework's tensors the
+        communication log holds (DDP's gradient buckets; the log's copies are dropped)."""
         ctx = self._ctx
         held = [t for proxy in ctx.groups.proxies() for t in proxy.held_tensors()]
         return [*ctx.registry.objects.values(), *held]
