@@ -254,6 +254,12 @@ class Migration:
             ready = self._make_ready(None)
         elif dropped and ctx.backend == "nccl":
             torch.cuda.empty_cache()  # their blocks are not checkpointed
+        if dropped and any(p.log_route == "host" for p in ctx.groups.proxies()):
+            # copies in pinned host memory: PyTorch keeps freed pinned blocks cached, in the
+            # process's memory, which CRIU's image would carry
+            empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+            if empty_host_cache is not None:
+                empty_host_cache()
         if dropped:
             logger.info("rank %d: the replay log's copies of the steps before %d dropped "
                         "(%.2f GB)", ctx.rank, step, dropped / 1e9)  # fmt: skip
