@@ -64,10 +64,13 @@ def test_one_candidate_leads_and_a_successor_takes_over_when_its_lease_runs_out(
     assert got == [] and planes[1].leader().address == "127.0.0.1:1000"
     first.abandon()  # the first hangs: its lease runs out, its key goes
     lost = time.monotonic()
-    waiting.join(timeout=10 * TTL)
+    waiting.join(timeout=20 * TTL)
+    assert got, "no successor took over"
     second = got[0]
     assert second is not None and second.revision != first.revision
-    assert time.monotonic() - lost < 4 * TTL
+    # bounded, with room for etcd's own elections: a new etcd leader renews every lease
+    # (a full test run on the 2-core machine once took 6.3 s here)
+    assert time.monotonic() - lost < 12 * TTL
     assert planes[0].leader().address == "127.0.0.1:2000"
     # the former leader cannot overwrite its successor's snapshot
     assert planes[1].get_snapshot() == {"generation": 3}
