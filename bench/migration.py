@@ -219,7 +219,8 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
             "first use, so every rank has an interface of its own (`xr<rank>`, "
             "NCCL_SOCKET_IFNAME), which moves into the target node's namespace with the rank. "
             "Held: the GPU memory the rank held at the pause; parked: what went through the "
-            "file; driver: what the driver's checkpoint moved (NVML). Goals: ≤ 1.5 s of "
+            "file (and the replay log's copies dropped instead); driver: what the driver's "
+            "checkpoint moved (NVML). Goals: ≤ 1.5 s of "
             "downtime at about 1.3 GB held, ≤ 5 s at about 18 GB.",
             "",
             "| model | held | parked | driver | image | prepare | quiesce | stop (park) | "
@@ -243,6 +244,8 @@ def report(args: argparse.Namespace, label: str, command: str, started: str, det
         parked = f"{record.get('parked_bytes', 0) / 1e9:.2f} GB"
         if record.get("prepare_error"):
             parked = f"none ({record['prepare_error']})"
+        if record.get("dropped_bytes"):  # the replay log's copies, not moved at all
+            parked += f" ({record['dropped_bytes'] / 1e9:.2f} GB of log copies dropped)"
         if args.gpu:
             held = record.get("held_bytes") or record.get("gpu_bytes", 0)
             goal = "—"

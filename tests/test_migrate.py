@@ -46,6 +46,8 @@ def check_migrated(summary, rank, source, target, world, steps=STEPS, parked=Tru
     assert record["netns"] == summary["agent_netns"][str(target)]
     assert record["netns"] != summary["agent_netns"][str(source)]
     assert tuple(record["phases"]) == PHASES
+    # its replay log's copies of the steps before the pause were dropped, not moved
+    assert record["dropped_bytes"] > 0
     if parked:  # its tensors went through a parking file, not through CRIU's images
         assert record["room_bytes"] >= record["parked_bytes"] > 0
         assert record["prepare_error"] is None

@@ -235,7 +235,8 @@ class CommError(Message):
 class ReadyForDump(Message):
     """The moving rank is ready to be checkpointed. ``gpu_bytes``: what its GPU holds now;
     ``held_bytes``: what it held before it parked ``parked_bytes`` of its tensors in
-    ``host_files`` (``[path, size]`` each: files a restore elsewhere needs beside the images)."""
+    ``host_files`` (``[path, size]`` each: files a restore elsewhere needs beside the images);
+    ``dropped_bytes``: its replay log's copies of the steps before the pause, dropped."""
 
     gpu: str | None
     gpu_bytes: int
@@ -243,6 +244,7 @@ class ReadyForDump(Message):
     held_bytes: int = 0
     parked_bytes: int = 0
     host_files: list[Any] = field(default_factory=list)
+    dropped_bytes: int = 0
 
 
 @message("state_saved", W, A, request=True)
@@ -582,6 +584,7 @@ class Dumped(Message):
     serve: list[Any] | None = None  # where the target agent fetches the images
     held_bytes: int = 0  # the worker's ReadyForDump's
     parked_bytes: int = 0
+    dropped_bytes: int = 0
     host_files: list[Any] = field(default_factory=list)
     container: str | None = None  # container mode: the rank's container, checkpointed whole
     own_pid: int | None = None  # its PID as it saw it (in its container: its namespace's)

@@ -537,6 +537,7 @@ class Agent:
             own_pid=worker.own_pid,
             held_bytes=ready.held_bytes if ready is not None else 0,
             parked_bytes=ready.parked_bytes if ready is not None else 0,
+            dropped_bytes=ready.dropped_bytes if ready is not None else 0,
             serve=self._serve_images(order.images, host_files) if order.serve else None,
         )  # fmt: skip
         self._post(DumpFinished(result))

@@ -144,6 +144,7 @@ class Migration:
     prepare_error: str | None = None  # why it made none
     held_bytes: int = 0  # GPU memory it held when it paused, before parking
     parked_bytes: int = 0  # what it parked outside the process
+    dropped_bytes: int = 0  # its replay log's copies of the steps before the pause
     stop_s: float = 0.0  # the longest any rank took from its pause boundary to its report
     park_s: float = 0.0
     unpark_s: float = 0.0
@@ -230,6 +231,7 @@ class Migration:
             self.gpu_checkpoint_s, self.gpu = event.gpu_checkpoint_s, event.gpu
             self.gpu_bytes = event.gpu_bytes
             self.held_bytes, self.parked_bytes = event.held_bytes, event.parked_bytes
+            self.dropped_bytes = event.dropped_bytes
             self.gpu_times.update(event.gpu_times)
             if event.interface:
                 self.interface = str(event.interface["name"])
@@ -324,6 +326,7 @@ class Migration:
             "gpu_bytes": self.gpu_bytes,  # what the driver's checkpoint moved
             "held_bytes": self.held_bytes,  # on the GPU at the pause (0: a CPU job)
             "parked_bytes": self.parked_bytes,  # moved outside the process instead
+            "dropped_bytes": self.dropped_bytes,  # the log's copies, not moved at all
             "room_bytes": self.room_bytes,
             "prepare_error": self.prepare_error,
             "gpu_calls_s": {k: round(v, 4) for k, v in self.gpu_times.items()},

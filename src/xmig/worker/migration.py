@@ -48,6 +48,7 @@ class Ready:
     parked: Parked | None
     gpu: str | None
     held: int  # what it held at the pause, before parking
+    dropped: int = 0  # its replay log's copies of the steps before the pause, dropped
 
     @property
     def park_s(self) -> float:
@@ -59,6 +60,7 @@ class Ready:
         return protocol.ReadyForDump(
             gpu=self.gpu, gpu_bytes=gpu_bytes, held_bytes=self.held, t=time.time(),
             host_files=files, parked_bytes=self.parked.parked_bytes if self.parked else 0,
+            dropped_bytes=self.dropped,
         )  # fmt: skip
 
 
@@ -263,6 +265,7 @@ class Migration:
         if dropped:
             logger.info("rank %d: the replay log's copies of the steps before %d dropped "
                         "(%.2f GB)", ctx.rank, step, dropped / 1e9)  # fmt: skip
+            ready = dataclasses.replace(ready, dropped=dropped)
         parking = ready.parking
         stack = self._shrink_local_memory()
         ctx.link.ask(ready.message(self._left_on_gpu()), timeout=10.0)
