@@ -23,17 +23,35 @@ from xmig.worker.hooks import OptimizerGate
 
 
 class FakeGate:
-    """The GPU's counter, on the host."""
+    """The GPU's words, on the host. ``gpu_passed``: the number the GPU would have let
+    through on its own (open gates pass once the collective has ended), which a close reads
+    as ``passed``."""
 
     def __init__(self, device):
         self.device = device
         self.issued = 0
         self.released = 0
         self.releases = []
+        self.ends = []  # per number: whether the GPU could open it (an end was given)
+        self.closes = 0
+        self.reopens = 0
+        self.gpu_passed = 0
 
-    def hold(self):
+    def hold(self, end=None):
         self.issued += 1
+        self.ends.append(end is not None)
         return self.issued
+
+    def close(self):
+        self.closes += 1
+        return self.closes == 1 + self.reopens
+
+    def reopen(self):
+        self.reopens += 1
+
+    @property
+    def passed(self):
+        return max(self.released, self.gpu_passed)
 
     def release(self, number, stream=None):
         self.releases.append(number)
@@ -493,3 +511,51 @@ def test_an_op_that_fails_after_its_launch_is_gated_then_reported_and_replayed()
     replay_groups([proxy], 4, timeout=10.0)
     assert gates[0].releases == [1] and not proxy.gates_closed()
     assert tensor.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_fault_closes_the_gates_and_what_the_gpu_let_through_is_done_not_replayed():
+    # open gates pass on the GPU once the collective has ended, before the host has seen
+    # it: the framework may have read ops 0 and 1. A recovery's halt closes the gates first;
+    # those two are then done (their results stand), op 2 is pending and stays shut
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(3)
+    tensors = [torch.full((2,), float(i)) for i in range(3)]
+    for tensor in tensors:
+        _allreduce(proxy, tensor)
+    gates[0].gpu_passed = 2
+    proxy.halt()
+    assert gates[0].closes == 1
+    assert gates[0].releases == [1, 2] and gates[0].closed
+    assert [(r.index, pending) for r, pending in proxy.to_replay(3)] == [
+        (0, False), (1, False), (2, True)]  # fmt: skip
+    assert proxy.first_closed().index == 2
+    proxy.halt()  # again (a rollback's kept groups): closed already, nothing more is done
+    assert gates[0].releases == [1, 2]
+    proxy.resume_gating()
+    assert gates[0].reopens == 1
+
+
+def test_an_op_the_gpu_did_not_let_through_is_left_to_the_drain():
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(3)
+    for _ in range(2):
+        _allreduce(proxy, torch.ones(2))
+    threading.Timer(0.2, lambda: (backend.end(0), backend.end(1))).start()
+    proxy.halt(drain_s=5.0)  # the gate closed, nothing passed on the GPU: the host drains
+    assert gates[0].closes == 1 and gates[0].releases == [1, 2] and not proxy.gates_closed()
+
+
+def test_a_gpu_gate_waits_for_the_collectives_end_unless_its_failure_is_to_come():
+    from xmig.proxy.process_group import _end_of
+
+    waited = []
+    future = SimpleNamespace(wait=lambda: waited.append(True))
+    work = SimpleNamespace(get_future=lambda: future)
+    record = SimpleNamespace(device=torch.device("cuda", 0), work=work, late_error=None)
+    end = _end_of(record)
+    assert end is not None and not waited
+    end()
+    assert waited == [True]
+    assert _end_of(SimpleNamespace(device=torch.device("cuda", 0), work=work,
+                                   late_error="injected")) is None  # fmt: skip
+    assert _end_of(SimpleNamespace(device=None, work=work, late_error=None)) is None

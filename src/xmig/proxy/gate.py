@@ -1,13 +1,22 @@
 """A gate on the GPU: the framework's work that reads a collective's result waits on the GPU,
-not on the host, until the proxy knows the collective has ended well.
+not on the host, until the collective has ended well.
 
-The proxy completes a gated op's future at once, on a gate stream that waits
-(``cuStreamWaitValue32``) until a counter in pinned host memory reaches the op's number; the
-number is written once the collective has finished without error (``release``: by the host,
-once whatever the releasing thread did to the op's outputs is done). The CPU
-runs ahead as with a plain process group; a collective a fault breaks leaves its number
-unwritten, and nothing that reads its output runs until a recovery has put the right values
-in and released it.
+The proxy completes a gated op's future at once, on a gate stream. There the op's gate is a
+wait (``cuStreamWaitValue32``) on a word in pinned host memory:
+
+- **open** (as long as no fault is being handled): the gate stream first waits, on the GPU,
+  for the collective's end, and the word (the *limit*) is kept ahead of every number handed
+  out, so the framework's work runs as soon as the collective has ended, as with a plain
+  process group; no host thread stands between them.
+- **closed** (``close``, at a recovery's start, before any communicator is aborted): the
+  limit drops to the numbers the host has seen end well (``release``), so an op whose
+  collective an abort ends, its output half-written, stays behind its gate until a
+  recovery has put the right values in and released it. What the GPU let through before
+  the close (``passed``, a word the gate stream writes after each gate) had ended before any
+  abort, so well.
+
+An op whose failure is known to come later (an injected fault) is gated on the host's
+release alone (``hold(end=None)``). The CPU runs ahead as with a plain process group.
 """
 
 from __future__ import annotations
@@ -30,12 +39,24 @@ class GateUnavailable(RuntimeError):
     """The driver API that a gate needs is missing here."""
 
 
+# how far ahead of the newest number an open gate's limit stands: the wait compares
+# cyclically, (int32)(word - number) >= 0, so the limit must stay within 2**31 of the
+# numbers still waiting
+OPEN_AHEAD = 1 << 29
+# after a close, how long the host lets a wait the GPU was already passing write its number
+# before it reads ``passed`` (a write that follows a passed wait in the same stream takes
+# microseconds)
+CLOSE_SETTLE_S = 0.005
+_COUNTER, _LIMIT, _PASSED = 0, 1, 2  # the words: the host's releases, the limit, the GPU's
+
+
 class StreamGate:
-    """One device's gate: a counter the GPU waits on, and the numbers handed out so far.
+    """One device's gate: the words the GPU waits on and writes, and the numbers handed out
+    so far.
 
     ``hold`` and ``release`` are called in the order ops are issued and complete (one
-    proxy's ops complete in issue order); the counter only grows, so releasing a number
-    opens every gate up to it. The counter is 32 bits: 4 billion ops per proxy."""
+    proxy's ops complete in issue order); the words only grow while open, so releasing a
+    number opens every gate up to it. The words are 32 bits: 1.5 billion ops per proxy."""
 
     def __init__(self, device: torch.device) -> None:
         try:
@@ -45,31 +66,55 @@ class StreamGate:
         self._driver = driver
         self.device = device
         with torch.cuda.device(device):
-            self._counter = torch.zeros(1, dtype=torch.int32).pin_memory()
-            err, self._address = driver.cuMemHostGetDevicePointer(self._counter.data_ptr(), 0)
+            self._memory = torch.zeros(3, dtype=torch.int32).pin_memory()
+            err, address = driver.cuMemHostGetDevicePointer(self._memory.data_ptr(), 0)
             _check(driver, err, "cuMemHostGetDevicePointer")
-            self._word = ctypes.c_int32.from_address(self._counter.data_ptr())
+            self._addresses = [driver.CUdeviceptr(int(address) + 4 * i) for i in range(3)]
+            self._words = [ctypes.c_int32.from_address(self._memory.data_ptr() + 4 * i)
+                           for i in range(3)]  # fmt: skip
             self.stream = dedicated_stream(device)
         self._lock = threading.Lock()
         self.issued = 0
         self.released = 0
+        self._open = True
+        self._reopen = False
 
-    def hold(self) -> int:
-        """The gate stream waits until the counter reaches the next number: that number."""
+    def hold(self, end: Any = None) -> int:
+        """The gate stream waits until the next number may pass: that number. ``end``, made
+        to run on the gate stream, makes it wait for the collective's end on the GPU; while
+        the gate is open, nothing else is waited for. Without ``end``, or closed, the number
+        passes once the host has released it."""
         driver = self._driver
+        stream = driver.CUstream(self.stream.cuda_stream)
         with self._lock:
             self.issued += 1
             number = self.issued
+            if not self._open and self._reopen and self.released == number - 1:
+                self._open, self._reopen = True, False
+            on_gpu = self._open and end is not None
+            if on_gpu:
+                self._words[_LIMIT].value = number + OPEN_AHEAD
+                with self._on_gate_stream():
+                    end()
+            word = _LIMIT if on_gpu else _COUNTER
             (err,) = driver.cuStreamWaitValue32(
-                driver.CUstream(self.stream.cuda_stream), self._address,
-                driver.cuuint32_t(number), driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+                stream, self._addresses[word], driver.cuuint32_t(number),
+                driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
             )  # fmt: skip
-        _check(driver, err, "cuStreamWaitValue32")
+            _check(driver, err, "cuStreamWaitValue32")
+            (err,) = driver.cuStreamWriteValue32(
+                stream, self._addresses[_PASSED], driver.cuuint32_t(number),
+                driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
+            )  # fmt: skip
+        _check(driver, err, "cuStreamWriteValue32")
         return number
+
+    def _on_gate_stream(self) -> Any:
+        return torch.cuda.stream(self.stream)
 
     def release(self, number: int, after: Any = None) -> None:
         """Open the gate up to ``number``, from the host, once the work ``after`` (a stream)
-        has queued so far is done: a plain store into the pinned counter, no driver call.
+        has queued so far is done: a plain store into the pinned words, no driver call.
         (A driver call can wait behind the framework's thread: an allocation there, while a
         gate is shut, holds the driver until the GPU's streams drain, and they wait for the
         gate. Measured: the release's ``cuStreamWriteValue32`` and an optimizer's first
@@ -77,8 +122,29 @@ class StreamGate:
         if after is not None:
             after.synchronize()
         with self._lock:
-            self._word.value = max(self._word.value, number)
+            self._words[_COUNTER].value = max(self._words[_COUNTER].value, number)
+            if not self._open:
+                self._words[_LIMIT].value = max(self._words[_LIMIT].value, number)
             self.released = max(self.released, number)
+
+    def close(self) -> bool:
+        """Let no number pass on the GPU beyond what the host has released (a recovery
+        begins: communicators may be aborted from now on). Whether the gate was open."""
+        with self._lock:
+            was_open, self._open, self._reopen = self._open, False, False
+            self._words[_LIMIT].value = self.released
+        return was_open
+
+    def reopen(self) -> None:
+        """Open again from the next number on whose earlier numbers are all released (a
+        recovery ended)."""
+        with self._lock:
+            self._reopen = not self._open
+
+    @property
+    def passed(self) -> int:
+        """The last number the GPU let through (read after a close has settled)."""
+        return self._words[_PASSED].value
 
     @property
     def closed(self) -> bool:

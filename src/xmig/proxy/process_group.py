@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
 from xmig.ccl.wake import woken
-from xmig.proxy.gate import GATED_OPS, GateUnavailable, StreamGate, side_stream
+from xmig.proxy.gate import CLOSE_SETTLE_S, GATED_OPS, GateUnavailable, StreamGate, side_stream
 from xmig.proxy.oplog import (
     INPUT_ARGS,
     BufferPool,
@@ -352,7 +352,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 if record.state == "launched" and self.gating and op in GATED_OPS:
                     gate = self._gate_of(device)
                     if gate is not None:
-                        record.gate, record.gate_number = gate, gate.hold()
+                        record.gate, record.gate_number = gate, gate.hold(_end_of(record))
             self._cv.notify_all()
         if trouble is not None and self.on_trouble is not None:
             self.on_trouble(trouble)
@@ -411,8 +411,36 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.gating = False
 
     def resume_gating(self) -> None:
+        """Ops are gated again; the gates open on the GPU again once what they held back
+        has been released."""
         with self._cv:
             self.gating = self.gate
+            for gate in self._gates.values():
+                if gate is not None:
+                    gate.reopen()
+
+    def _close_gates(self) -> None:
+        """Close every gate (no op passes on the GPU beyond what the host has seen end
+        well), then complete the gated ops the GPU had let the framework read before: their
+        collectives had ended before any communicator could be aborted, so well, and the
+        framework has read their results (a recovery must not re-issue them for real)."""
+        gates = [g for g in list(self._gates.values()) if g is not None]
+        if not any([g.close() for g in gates]):
+            return
+        time.sleep(CLOSE_SETTLE_S)
+        passed = {id(g): g.passed for g in gates}
+        with self._cv:
+            for record in list(self._queue):
+                if (record.gate_number is None or record.work is None
+                        or record.gate_number > passed[id(record.gate)]):  # fmt: skip
+                    continue
+                self._queue.remove(record)
+                record.state, record.error = "done", None
+                self._remember(record)
+                record.gate.release(record.gate_number)
+                logger.info("group %s: op %d of step %s had passed its gate on the GPU: done",
+                            self.group, record.index, record.step)  # fmt: skip
+            self._cv.notify_all()
 
     def _release(self, record: OpRecord, wrote_outputs: bool = False) -> None:
         """Open ``record``'s gate (once the GPU work this thread queued into its outputs is
@@ -629,6 +657,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
         a communicator then can wait on the device for good."""
         with self._cv:
             self.halted = True
+        self._close_gates()
+        with self._cv:
             deadline = time.monotonic() + drain_s
             while (self._queue and self._draining(self._queue[0])
                    and (left := deadline - time.monotonic()) > 0):  # fmt: skip
@@ -948,6 +978,16 @@ def _on_stream(device: Any, role: Any) -> contextlib.AbstractContextManager[Any]
         return contextlib.nullcontext()
     stream = role.stream if hasattr(role, "stream") else side_stream(device, role)
     return torch.cuda.stream(stream)
+
+
+def _end_of(record: OpRecord) -> Callable[[], None] | None:
+    """What makes the current stream wait for ``record``'s collective to end on the GPU (its
+    future's events), for a gate that opens there; None where only the host may open it (an
+    op whose failure is to be reported once it has ended)."""
+    work = record.work
+    if record.device is None or work is None or record.late_error is not None:
+        return None
+    return lambda: work.get_future().wait()
 
 
 def _after_logged(record: OpRecord) -> None:
