@@ -41,9 +41,6 @@ PAUSE_CLOSE = "XMIG_PAUSE_CLOSE"
 # "0": closing an NCCL communicator does not wake NCCL's socket service thread (``ccl.wake``,
 # on by default: a close then takes 0.02-0.03 s instead of up to 0.5 s)
 NCCL_WAKE = "XMIG_NCCL_WAKE"
-# where a GPU's replay log copies the ops' inputs (``xmig.proxy.process_group.LOG_ROUTES``):
-# "inline" (default), "side" or "host"
-LOG_ROUTE = "XMIG_LOG_ROUTE"
 # a host's own launch (``xmig.jobspec.HostLaunch`` JSON), from its launcher to its agent
 HOST_LAUNCH = "XMIG_HOST_LAUNCH"
 COORD_RESTART = "XMIG_COORD_RESTART"  # a coordinator started again: how many ran before

@@ -139,23 +139,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
         sequence: OpSequence | None = None,
         gate: bool = False,
         gate_factory: GateFactory | None = None,
-        log_route: str = "inline",
     ) -> None:
         super().__init__(communicator.rank, communicator.size)
-        if log_route not in LOG_ROUTES:
-            raise ValueError(f"log route {log_route!r}: expected one of {', '.join(LOG_ROUTES)}")
         self.communicator = communicator
         self.group = group  # its name in xmig's communicators (``world``, ``pg<id>``)
         self.sequence = sequence if sequence is not None else OpSequence()
         self.retired: list[Communicator] = []  # gloo cannot be destroyed while an op hangs
         self.before_op = before_op
         self.keep_log = keep_log
-        self.log_route = log_route
-        # the index of the last bucket-sized op (``GATED_OPS``) of the step before, and of
-        # this step so far: the "host" route copies that one on the GPU, as the step's
-        # backward ends waiting for it
-        self._last_large: int | None = None
-        self._last_large_now: int | None = None
         self.on_trouble = on_trouble
         self.on_issue = on_issue  # sees every op as the framework issues it (xmig check)
         self.mode = mode
@@ -253,7 +244,6 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.step = step
             self.ops_in_step = 0
             self._trim_due = True
-            self._last_large, self._last_large_now = self._last_large_now, None
         if not defer_trim:
             self.trim_log()
 
@@ -331,9 +321,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._log_inputs(record)
             self.log_copy_seconds += time.perf_counter() - started
             self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
-        if device is not None and (self.gate or record.log_stream is not None):
+        if self.gate and device is not None:
             record.logged_event = torch.cuda.Event()
-            record.logged_event.record(record.log_stream)
+            record.logged_event.record()
         trouble = None
         with self._cv:
             self.log.append(record)
@@ -453,34 +443,17 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._cv.notify_all()
 
     def _log_inputs(self, record: OpRecord) -> None:
-        # route "inline": on GPU the copies run on the issuing thread's stream, before the
-        # launch: NCCL's stream waits for them, and so does a replay (measured on 2 x H200: a
-        # side stream for the copies cost more in launch overhead than it saved in overlap;
-        # on one H200 with the gate, copies and launches on a stream of the proxy's own:
-        # 1.0201-1.0237 against 1.0121). Routes "side" and "host" copy on the log's own
-        # stream (into GPU memory, or pinned host memory through the copy engines) and the
-        # op is launched from it, so NCCL waits for the copies and the framework does not.
-        if record.op in GATED_OPS:
-            self._last_large_now = record.index
-        last = record.op in GATED_OPS and record.index == self._last_large
-        on_gpu = self.log_route == "inline" or (last and self.log_route == "host")
-        if record.device is None or on_gpu:
-            record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
-            return
-        stream = side_stream(record.device, _LOG)
-        stream.wait_stream(torch.cuda.current_stream(record.device))
-        host = self.log_route == "host"
-        with torch.cuda.stream(stream):
-            record.inputs = [self._buffers.copy_of(t, host=host) for t in record.input_tensors]
-        record.log_stream = stream
+        # on GPU the copies run on the issuing thread's stream, before the launch: NCCL's
+        # stream waits for them, and so does a replay. A stream of the log's own, the op
+        # launched from it (into GPU memory, or pinned host memory through the copy
+        # engines), measured slower every time: on 2 x H200, launch overhead beyond the
+        # overlap; on H100s with the gate, 1.0167-1.0228 of plain DDP against 1.0066-1.0093,
+        # though the same routes in DDP communication hooks gain (``bench/log_routes.py``)
+        record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
 
     def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
         try:
-            # from the log's stream where the copies ran there: NCCL waits for them
-            stream = (torch.cuda.stream(record.log_stream) if record.log_stream is not None
-                      else contextlib.nullcontext())  # fmt: skip
-            with stream:
-                work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+            work = getattr(self.communicator.backend, record.op)(*(args or record.args))
         except Exception as exc:  # a communicator that is already broken
             record.state, record.error = "failed", str(exc)
             record.done_event.set()
@@ -926,9 +899,6 @@ def wait_for_aborts(timeout: float) -> bool:
 
 
 _WAITER = "proxy-waiter"
-_LOG = "proxy-log"
-# where the replay log's copies go on a GPU (``ProxyProcessGroup._log_inputs``)
-LOG_ROUTES = ("inline", "side", "host")
 
 # the records a step boundary drops are let go on a thread of their own: destroying their
 # works and CUDA-aware futures took about half of a boundary on an H200 (0.6 ms a step,
