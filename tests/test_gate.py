@@ -549,7 +549,7 @@ def test_a_gpu_gate_waits_for_the_collectives_end_unless_its_failure_is_to_come(
     from xmig.proxy.process_group import _end_of
 
     waited = []
-    future = SimpleNamespace(wait=lambda: waited.append(True))
+    future = SimpleNamespace(wait=lambda: waited.append(True), done=lambda: True)
     work = SimpleNamespace(get_future=lambda: future)
     record = SimpleNamespace(device=torch.device("cuda", 0), work=work, late_error=None)
     end = _end_of(record)
@@ -559,3 +559,6 @@ def test_a_gpu_gate_waits_for_the_collectives_end_unless_its_failure_is_to_come(
     assert _end_of(SimpleNamespace(device=torch.device("cuda", 0), work=work,
                                    late_error="injected")) is None  # fmt: skip
     assert _end_of(SimpleNamespace(device=None, work=work, late_error=None)) is None
+    pending = SimpleNamespace(get_future=lambda: SimpleNamespace(done=lambda: False))
+    assert _end_of(SimpleNamespace(device=torch.device("cuda", 0), work=pending,
+                                   late_error=None)) is None  # fmt: skip

@@ -953,11 +953,16 @@ def _on_stream(device: Any, role: Any) -> contextlib.AbstractContextManager[Any]
 def _end_of(record: OpRecord) -> Callable[[], None] | None:
     """What makes the current stream wait for ``record``'s collective to end on the GPU (its
     future's events), for a gate that opens there; None where only the host may open it (an
-    op whose failure is to be reported once it has ended)."""
+    op whose failure is to be reported once it has ended; a work whose future is not yet
+    complete: NCCL completes its futures at the launch, and waiting for one that is not
+    would wait on the host)."""
     work = record.work
     if record.device is None or work is None or record.late_error is not None:
         return None
-    return lambda: work.get_future().wait()
+    future = work.get_future()
+    if not future.done():
+        return None
+    return future.wait
 
 
 def _after_logged(record: OpRecord) -> None:
