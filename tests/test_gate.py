@@ -562,3 +562,36 @@ def test_a_gpu_gate_waits_for_the_collectives_end_unless_its_failure_is_to_come(
     pending = SimpleNamespace(get_future=lambda: SimpleNamespace(done=lambda: False))
     assert _end_of(SimpleNamespace(device=torch.device("cuda", 0), work=pending,
                                    late_error=None)) is None  # fmt: skip
+
+
+def test_an_abort_of_a_communicator_with_gated_ops_in_flight_closes_the_gates_first():
+    # the waiter saw an op fail and halted the proxy, and a later park aborts its
+    # communicator before a recovery halted it: the abort ends the ops in flight, their
+    # outputs half-written, which an open gate would let the framework read
+    proxy, backend, gates = _gated_proxy()
+    proxy.communicator.kind = "nccl"  # (the fake backend aborts as NCCL does)
+    aborted = []
+    backend.abort = lambda: aborted.append(True)
+    proxy.begin_step(3)
+    for _ in range(2):
+        _allreduce(proxy, torch.ones(2))
+    gates[0].gpu_passed = 1  # the GPU had let op 0 through
+    proxy.abort_communicator(wait=True)
+    assert aborted and gates[0].closes == 1
+    assert gates[0].releases == [1]  # op 0 is done; op 1 stays behind its gate
+    assert [r.index for r in proxy.pending()] == [1]
+
+
+def test_an_abort_of_a_communicator_no_gated_op_is_in_flight_on_leaves_the_gates_open():
+    # an old communicator aborted once a recovery is done, its ops re-issued on the new one
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(3)
+    _allreduce(proxy, torch.ones(2))
+    old = proxy.communicator
+    old.kind = "nccl"
+    proxy.switch(Communicator("gloo", "world", 1, dist.HashStore(), 0, 1, timedelta(seconds=10)))
+    for record in proxy.pending():
+        record.launched_on = id(proxy.communicator.backend)
+    old.backend.abort = lambda: None
+    proxy.abort_communicator(wait=True, communicator=old)
+    assert gates[0].closes == 0

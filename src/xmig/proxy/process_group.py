@@ -409,20 +409,25 @@ class ProxyProcessGroup(dist.ProcessGroup):
                 if gate is not None:
                     gate.reopen()
 
-    def _close_gates(self) -> None:
-        """Close every gate (no op passes on the GPU beyond what the host has seen end
-        well), then complete the gated ops the GPU had let the framework read before: their
-        collectives had ended before any communicator could be aborted, so well, and the
-        framework has read their results (a recovery must not re-issue them for real)."""
-        gates = [g for g in list(self._gates.values()) if g is not None]
-        if not any([g.close() for g in gates]):
+    def _close_gates(self) -> list[Any]:
+        """Close every gate: no op passes on the GPU beyond what the host has seen end well
+        (a recovery begins; communicators may be aborted from now on). The gates that were
+        open, for ``_complete_passed``."""
+        return [g for g in list(self._gates.values()) if g is not None and g.close()]
+
+    def _complete_passed(self, opened: list[Any]) -> None:
+        """Complete as done the gated ops that the ``opened`` gates had let the framework
+        read on the GPU before their close: their collectives had ended before any
+        communicator could be aborted, so well, and the framework has read their results (a
+        recovery must not re-issue them for real)."""
+        if not opened:
             return
         time.sleep(CLOSE_SETTLE_S)
-        passed = {id(g): g.passed for g in gates}
+        passed = {id(g): g.passed for g in opened}
         with self._cv:
             for record in list(self._queue):
                 if (record.gate_number is None or record.work is None
-                        or record.gate_number > passed[id(record.gate)]):  # fmt: skip
+                        or record.gate_number > passed.get(id(record.gate), 0)):  # fmt: skip
                     continue
                 self._queue.remove(record)
                 record.state, record.error = "done", None
@@ -628,9 +633,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         ``drain_s``, while a gate is shut, first wait that long at most for the gated ops in
         flight to end: a gate left shut holds the framework's stream, and aborting or making
         a communicator then can wait on the device for good."""
+        opened = self._close_gates()  # before anything may abort a communicator
         with self._cv:
             self.halted = True
-        self._close_gates()
+        self._complete_passed(opened)
         with self._cv:
             deadline = time.monotonic() + drain_s
             while (self._queue and self._draining(self._queue[0])
@@ -655,6 +661,13 @@ class ProxyProcessGroup(dist.ProcessGroup):
         backend = communicator.backend
         if communicator.kind != "nccl" or not hasattr(backend, "abort"):
             return
+        with self._cv:
+            in_flight = any(r.gate_number is not None and r.launched_on == id(backend)
+                            for r in self._queue)  # fmt: skip
+        if in_flight:  # (not halted first, as when the waiter saw an op fail): the abort
+            # ends those ops' collectives, their outputs half-written, and an open gate
+            # would let the framework read them
+            self._complete_passed(self._close_gates())
         with self._cv:
             # before the abort begins: the ops in flight on it are drained no more (``halt``)
             self._aborted.add(id(backend))

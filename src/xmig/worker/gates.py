@@ -39,7 +39,10 @@ class QueuedUpdate:
     host: dict[str, Any]
 
     def pending(self) -> bool:
-        """Whether the update still waits behind a gate (and so has not happened)."""
+        """Whether the update still waits behind a gate (and so has not happened). Asked in
+        a recovery, once its halt has closed the gates: an open gate lets the update through
+        on the GPU before the host has seen the collective end, and the halt releases what
+        the GPU had let through."""
         return any(gate.released < number for gate, number in self.gates)
 
     def state(self, current: dict[str, Any]) -> dict[str, Any]:
