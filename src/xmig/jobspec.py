@@ -82,7 +82,8 @@ class JobSpec:
     agent_connect_timeout: float = DEFAULT_AGENT_CONNECT_TIMEOUT_S
     keep_log: bool = DEFAULT_KEEP_LOG
     # on GPUs, a bucket all-reduce's result is handed over at once behind a gate on the GPU
-    # (``xmig.proxy.gate``) instead of once the host has seen it end
+    # that opens there once it has ended (``xmig.proxy.gate``) instead of once the host has
+    # seen it end
     gpu_gate: bool = DEFAULT_GPU_GATE
     recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S
     max_recoveries: int = DEFAULT_MAX_RECOVERIES
