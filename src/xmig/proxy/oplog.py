@@ -294,8 +294,7 @@ class OpRecord:
         args = []
         for i, arg in enumerate(self.args):
             if i in inputs:
-                # where the op's own tensor is (a log copy may be in host memory)
-                args.append(map_tensors(arg, lambda t: next(saved).to(t.device, copy=True)))
+                args.append(map_tensors(arg, lambda _t: next(saved).clone()))
             elif i in TENSOR_ARGS[self.op]:
                 args.append(map_tensors(arg, torch.empty_like))
             else:
