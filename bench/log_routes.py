@@ -23,6 +23,12 @@ differ only in the copy taken before the launch:
 - ``d2h_last_d2d``: as ``d2h`` but the last bucket (DDP's ``is_last``: the first layers and
   the embeddings, ready as the backward ends) copied as ``d2d``.
 
+With ``--gate gate``, every hook hands DDP a future completed at once behind one gate on the
+GPU (``xmig.proxy.gate.StreamGate``, open: its stream waits for NCCL's end, then for the
+gate's word), as xmig's proxy does with ``--gpu-gate``; with ``--gate events``, the same
+stream waits for NCCL's end only, without the gate's word: which of the two, if any, a copy
+on a stream of its own does not get along with.
+
 Prints each variant's median step time, its ratio to ``nocopy`` and to ``plain`` (medians of
 paired ratios, with the quartiles), and the largest difference of the final parameters
 between variants (0: the copies change no number). With ``--device cpu`` (gloo) only the
@@ -49,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_gpt  # noqa: E402
 from rotation import train_in_rotation  # noqa: E402
 
-from xmig.proxy.gate import dedicated_stream  # noqa: E402
+from xmig.proxy.gate import StreamGate, dedicated_stream  # noqa: E402
 
 VARIANTS = ("plain", "nocopy", "d2d", "d2d_side", "d2h", "d2h_last_d2d")
 CPU_VARIANTS = ("plain", "nocopy", "d2d")
@@ -58,10 +64,24 @@ CPU_VARIANTS = ("plain", "nocopy", "d2d")
 class Log:
     """One variant's copies: a buffer per bucket, reused from step to step."""
 
-    def __init__(self, route: str, group: dist.ProcessGroup, side: Any) -> None:
+    def __init__(
+        self,
+        route: str,
+        group: dist.ProcessGroup,
+        side: Any,
+        gate: str = "none",
+        device: torch.device | None = None,
+    ) -> None:
         self.route = route
         self.group = group
         self.side = side  # a CUDA stream of the log's own (None on the CPU)
+        self.gate = None  # (``--gate``) the gate every future is completed behind
+        self.gate_stream = None  # its stream (``--gate events``: a stream alone)
+        if gate == "gate":
+            self.gate = StreamGate(device)
+            self.gate_stream = self.gate.stream
+        elif gate == "events":
+            self.gate_stream = dedicated_stream(device)
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         self.copied = 0  # bytes, all steps
 
@@ -80,6 +100,23 @@ def _first(future: torch.futures.Future) -> torch.Tensor:
     return future.value()[0]
 
 
+def _handed_over(log: Log, work: dist.Work, tensor: torch.Tensor) -> torch.futures.Future:
+    """The future DDP gets: NCCL's own, or (``--gate``) one completed at once on the gate's
+    stream once that stream waits for NCCL's end (and, ``gate``, for the gate's word)."""
+    future = work.get_future()
+    if log.gate_stream is None:
+        return future.then(_first)
+    if log.gate is not None:
+        log.gate.hold(future.wait)
+    else:
+        with torch.cuda.stream(log.gate_stream):
+            future.wait()
+    handed = torch.futures.Future(devices=[tensor.device])
+    with torch.cuda.stream(log.gate_stream):
+        handed.set_result(tensor)
+    return handed
+
+
 def log_hook(log, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations' objects
     tensor = bucket.buffer()
     if log.group.size() > 1:  # (one rank: the mean is the sum, as DDP's own mul by 1.0)
@@ -89,12 +126,12 @@ def log_hook(log, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations'
         route = "d2d" if bucket.is_last() else "d2h"
     if route == "nocopy":
         work = dist.all_reduce(tensor, group=log.group, async_op=True)
-        return work.get_future().then(_first)
+        return _handed_over(log, work, tensor)
     log.copied += tensor.numel() * tensor.element_size()
     if route == "d2d":
         log.buffer(bucket.index(), tensor, "device").copy_(tensor)
         work = dist.all_reduce(tensor, group=log.group, async_op=True)
-        return work.get_future().then(_first)
+        return _handed_over(log, work, tensor)
     # on the log's own stream, after the bucket is ready; NCCL waits for the copy, since
     # it waits for the stream it is launched from
     side = log.side
@@ -106,7 +143,7 @@ def log_hook(log, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations'
         else:
             log.buffer(bucket.index(), tensor, "host").copy_(tensor, non_blocking=True)
         work = dist.all_reduce(tensor, group=log.group, async_op=True)
-    return work.get_future().then(_first)
+    return _handed_over(log, work, tensor)
 
 
 def main() -> int:
@@ -116,6 +153,9 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                         help="which to run (default: all that the device has)")  # fmt: skip
+    parser.add_argument("--gate", choices=("none", "gate", "events"), default="none",
+                        help="complete each hook's future behind a gate on the GPU, or on a "
+                        "stream that waits for NCCL's end (GPU only)")  # fmt: skip
     parser.add_argument("--time-limit", type=float, default=900.0,
                         help="seconds after which the run prints its stacks and ends")  # fmt: skip
     args, model_args = parser.parse_known_args()
@@ -124,6 +164,8 @@ def main() -> int:
     names = list(args.variants or (VARIANTS if on_gpu else CPU_VARIANTS))
     if not on_gpu and set(names) - set(CPU_VARIANTS):
         parser.error(f"on the CPU only {', '.join(CPU_VARIANTS)} run")
+    if not on_gpu and args.gate != "none":
+        parser.error("--gate is for the GPU")
     if "nocopy" not in names:
         names.insert(0, "nocopy")
     if "plain" not in names:
@@ -151,7 +193,8 @@ def main() -> int:
         log = None
         if name != "plain":
             # (not ``torch.cuda.Stream()``: its pool's streams are NCCL's too)
-            log = Log(name, group, dedicated_stream(device) if on_gpu else None)
+            log = Log(name, group, dedicated_stream(device) if on_gpu else None, args.gate,
+                      device)  # fmt: skip
             ddp.register_comm_hook(log, log_hook)
         variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=gpt_args.lr), log)
     del base

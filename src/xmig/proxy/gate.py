@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # the ops whose futures go through the gate: DDP's bucket all-reduces. Others (DDP's layout
 # broadcasts, read on the host at once; FSDP2's gathers) are completed once the GPU is done.
+# DDP's buffer broadcasts at each forward, gated too, measured no gain on an H100 in two
+# sessions (``bench/results/gpu-speed.md``), so they are not.
 GATED_OPS = frozenset({"allreduce"})
 
 
