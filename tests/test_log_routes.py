@@ -27,3 +27,8 @@ def test_the_cpu_routes_change_no_number():
 def test_a_route_that_needs_a_gpu_is_refused_on_the_cpu():
     done = _run("--steps", "2", "--variants", "d2h")
     assert done.returncode == 2 and "on the CPU only" in done.stderr, done.stderr
+
+
+def test_a_gate_is_refused_on_the_cpu():
+    done = _run("--steps", "2", "--gate", "gate")
+    assert done.returncode == 2 and "--gate is for the GPU" in done.stderr, done.stderr
