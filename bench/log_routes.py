@@ -29,6 +29,12 @@ gate's word), as xmig's proxy does with ``--gpu-gate``; with ``--gate events``, 
 stream waits for NCCL's end only, without the gate's word: which of the two, if any, a copy
 on a stream of its own does not get along with.
 
+With ``--pool``, the copies into GPU memory come from xmig's own buffer pool
+(``xmig.proxy.oplog.BufferPool``), each held for the step and the one after it as xmig's log
+holds them, instead of one buffer a bucket for the whole run: whether xmig's way of finding
+memory for the copies is what costs (with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+as xmig's workers run, each stream has segments of its own).
+
 Prints each variant's median step time, its ratio to ``nocopy`` and to ``plain`` (medians of
 paired ratios, with the quartiles), and the largest difference of the final parameters
 between variants (0: the copies change no number). With ``--device cpu`` (gloo) only the
@@ -56,6 +62,7 @@ import train_gpt  # noqa: E402
 from rotation import train_in_rotation  # noqa: E402
 
 from xmig.proxy.gate import StreamGate, dedicated_stream  # noqa: E402
+from xmig.proxy.oplog import BufferPool  # noqa: E402
 
 VARIANTS = ("plain", "nocopy", "d2d", "d2d_side", "d2h", "d2h_last_d2d")
 CPU_VARIANTS = ("plain", "nocopy", "d2d")
@@ -71,6 +78,7 @@ class Log:
         side: Any,
         gate: str = "none",
         device: torch.device | None = None,
+        pool: bool = False,
     ) -> None:
         self.route = route
         self.group = group
@@ -84,6 +92,25 @@ class Log:
             self.gate_stream = dedicated_stream(device)
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         self.copied = 0  # bytes, all steps
+        self.pool = BufferPool() if pool else None  # (``--pool``)
+        self.held: list[list[torch.Tensor]] = [[]]  # the steps' copies still held, newest last
+        self.step_ended = False  # the last bucket of a step was copied
+
+    def device_copy(self, index: int, tensor: torch.Tensor, last: bool) -> torch.Tensor:
+        """A copy of ``tensor`` in GPU memory, on the current stream (``last``: the step's
+        last bucket)."""
+        if self.pool is None:
+            return self.buffer(index, tensor, "device").copy_(tensor)
+        if self.step_ended:  # a new step's first copy: the step before last is let go
+            self.step_ended = False
+            if len(self.held) >= 2:
+                self.pool.give_back(self.held.pop(0))
+            self.pool.new_step()
+            self.held.append([])
+        copy = self.pool.copy_of(tensor)
+        self.held[-1].append(copy)
+        self.step_ended = last
+        return copy
 
     def buffer(self, index: int, tensor: torch.Tensor, where: str) -> torch.Tensor:
         saved = self.buffers.get((index, where))
@@ -129,7 +156,7 @@ def log_hook(log, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations'
         return _handed_over(log, work, tensor)
     log.copied += tensor.numel() * tensor.element_size()
     if route == "d2d":
-        log.buffer(bucket.index(), tensor, "device").copy_(tensor)
+        log.device_copy(bucket.index(), tensor, bucket.is_last())
         work = dist.all_reduce(tensor, group=log.group, async_op=True)
         return _handed_over(log, work, tensor)
     # on the log's own stream, after the bucket is ready; NCCL waits for the copy, since
@@ -139,7 +166,7 @@ def log_hook(log, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations'
     with torch.cuda.stream(side):
         tensor.record_stream(side)
         if route == "d2d_side":
-            log.buffer(bucket.index(), tensor, "device").copy_(tensor)
+            log.device_copy(bucket.index(), tensor, bucket.is_last())
         else:
             log.buffer(bucket.index(), tensor, "host").copy_(tensor, non_blocking=True)
         work = dist.all_reduce(tensor, group=log.group, async_op=True)
@@ -156,6 +183,8 @@ def main() -> int:
     parser.add_argument("--gate", choices=("none", "gate", "events"), default="none",
                         help="complete each hook's future behind a gate on the GPU, or on a "
                         "stream that waits for NCCL's end (GPU only)")  # fmt: skip
+    parser.add_argument("--pool", action="store_true",
+                        help="copies into GPU memory from xmig's pool, held two steps")  # fmt: skip
     parser.add_argument("--time-limit", type=float, default=900.0,
                         help="seconds after which the run prints its stacks and ends")  # fmt: skip
     args, model_args = parser.parse_known_args()
@@ -194,7 +223,7 @@ def main() -> int:
         if name != "plain":
             # (not ``torch.cuda.Stream()``: its pool's streams are NCCL's too)
             log = Log(name, group, dedicated_stream(device) if on_gpu else None, args.gate,
-                      device)  # fmt: skip
+                      device, args.pool)  # fmt: skip
             ddp.register_comm_hook(log, log_hook)
         variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=gpt_args.lr), log)
     del base

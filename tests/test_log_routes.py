@@ -24,6 +24,12 @@ def test_the_cpu_routes_change_no_number():
     assert lines[-1].endswith("from plain DDP's: 0"), done.stdout
 
 
+def test_copies_from_xmigs_pool_change_no_number():
+    done = _run("--steps", "4", "--warmup", "1", "--pool")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1].endswith("from plain DDP's: 0"), done.stdout
+
+
 def test_a_route_that_needs_a_gpu_is_refused_on_the_cpu():
     done = _run("--steps", "2", "--variants", "d2h")
     assert done.returncode == 2 and "on the CPU only" in done.stderr, done.stderr
