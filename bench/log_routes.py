@@ -69,7 +69,8 @@ CPU_VARIANTS = ("plain", "nocopy", "d2d")
 
 
 class Log:
-    """One variant's copies: a buffer per bucket, reused from step to step."""
+    """One variant's copies: a buffer per bucket, reused from step to step, or (``--pool``)
+    buffers from xmig's pool, each step's held until the step after it has ended."""
 
     def __init__(
         self,
