@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,9 @@ def main() -> None:
     parser.add_argument(
         "--phases",
         action="store_true",
-        help="(GPU) where the CPU and the GPU stand after the forward, the backward and the "
-        "optimizer of each step (CUDA events), and the time xmig's step boundary takes",
+        help="(GPU) where the CPU and the GPU stand after DDP's broadcast of its buffers (the "
+        "forward's start), the forward, the backward and the optimizer of each step (CUDA "
+        "events), and the time xmig's step boundary takes",
     )
     parser.add_argument(
         "--poll-us",
@@ -104,6 +106,16 @@ def main() -> None:
 
     phases: dict[str, list[dict[str, tuple[float, float]]]] = {"plain": [], "xmig": []}
     timed = args.phases and device.type == "cuda"
+    # the mark of the step being trained: the module's own forward begins once DDP's forward
+    # has broadcast its buffers (through xmig's proxy, waited for on the host)
+    marking: list[Any] = [None]
+
+    def broadcast_ended(_module: torch.nn.Module, _inputs: Any) -> None:
+        if marking[0] is not None:
+            marking[0]("broadcast")
+
+    for ddp in (ddp_x, ddp_p):
+        ddp.module.register_forward_pre_hook(broadcast_ended)
 
     def train(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, step: int,
               name: str | None = None) -> None:  # fmt: skip
@@ -119,7 +131,11 @@ def main() -> None:
                 marks.append((point, time.perf_counter(), event))
 
         mark("start")
-        loss = ddp(x, y)
+        marking[0] = mark
+        try:
+            loss = ddp(x, y)
+        finally:
+            marking[0] = None
         mark("forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -232,7 +248,7 @@ def main() -> None:
                         statistics.median(s[point][0] for s in steps_[args.warmup :]),
                         statistics.median(s[point][1] for s in steps_[args.warmup :]),
                     ]
-                    for point in ("forward", "backward", "optimizer")
+                    for point in ("broadcast", "forward", "backward", "optimizer")
                 }
                 for name, steps_ in phases.items()
                 if len(steps_) > args.warmup
