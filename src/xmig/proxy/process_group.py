@@ -452,8 +452,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         # stream waits for them, and so does a replay. A stream of the log's own, the op
         # launched from it (into GPU memory, or pinned host memory through the copy
         # engines), measured slower every time: on 2 x H200, launch overhead beyond the
-        # overlap; on H100s with the gate, 1.0167-1.0228 of plain DDP against 1.0066-1.0093,
-        # though the same routes in DDP communication hooks gain (``bench/log_routes.py``)
+        # overlap; on H100s with the gate, 1.0166-1.0228 of plain DDP against 1.0065-1.0093.
+        # In DDP communication hooks behind the same gate the copy engines' route gains and
+        # the GPU-memory one loses as here (``bench/log_routes.py``): why the first loses in
+        # the proxy is not known
         record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
 
     def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
