@@ -12,8 +12,8 @@ differ only in the copy taken before the launch:
 
 - ``plain``: no hook (DDP's own all-reduce), for reference.
 - ``nocopy``: the hook without a copy: what the routes below are compared with.
-- ``d2d``: into a device buffer on the framework's stream before the launch (xmig's route
-  today): the copy's kernel runs between the backward's kernels.
+- ``d2d``: into a device buffer on the framework's stream before the launch (xmig's
+  ``inline`` route): the copy's kernel runs between the backward's kernels.
 - ``d2d_side``: into a device buffer on a stream of its own, the all-reduce launched from it
   (so NCCL waits for the copy, the backward does not): the copy's kernel shares the GPU with
   the backward's.
@@ -21,7 +21,7 @@ differ only in the copy taken before the launch:
   the copy engines move it, no kernel runs; the last bucket's all-reduce waits for its copy
   at the backward's end.
 - ``d2h_last_d2d``: as ``d2h`` but the last bucket (DDP's ``is_last``: the first layers and
-  the embeddings, ready as the backward ends) copied as ``d2d``.
+  the embeddings, ready as the backward ends) copied as ``d2d`` (xmig's ``host`` route).
 
 With ``--gate gate``, every hook hands DDP a future completed at once behind one gate on the
 GPU (``xmig.proxy.gate.StreamGate``, open: its stream waits for NCCL's end, then for the

@@ -54,6 +54,14 @@ def test_port_in_use():
     _one_line_error(proc, f"port {port}", "already in use")
 
 
+def test_an_unknown_log_route_is_refused():
+    _one_line_error(
+        xmig("run", "--nproc-per-node", "1", str(DEMO), env={"XMIG_LOG_ROUTE": "disk"}),
+        "XMIG_LOG_ROUTE='disk'",
+        "expected auto, inline, host",
+    )
+
+
 def test_inject_without_a_job(tmp_path):
     _one_line_error(
         xmig("inject", "kill:rank=0", env={"XMIG_JOBS_DIR": str(tmp_path)}), "no running xmig job"

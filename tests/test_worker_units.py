@@ -20,8 +20,10 @@ from xmig.agent.link import handle_push
 from xmig.ccl import Communicator
 from xmig.faults import FaultSpec
 from xmig.faults.injector import Injector
+from xmig.jobenv import log_route_for
 from xmig.paths import parking_files
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
+from xmig.proxy.process_group import copies_to_host
 from xmig.worker import migration as migration_module
 from xmig.worker.errors import RecoveryFailed
 from xmig.worker.hooks import OptimizerGate
@@ -522,6 +524,33 @@ def test_a_later_pause_lets_a_paused_loop_go_on():
 def proxy():
     comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
     return ProxyProcessGroup(comm)
+
+
+def test_an_unknown_log_route_is_refused():
+    comm = Communicator("gloo", "world", 0, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    with pytest.raises(ValueError, match="inline, host"):
+        ProxyProcessGroup(comm, log_route="side")
+    with pytest.raises(ValueError, match="XMIG_LOG_ROUTE='disk': expected auto, inline, host"):
+        log_route_for("disk", gate=True)
+
+
+@pytest.mark.parametrize(
+    ("asked", "gate", "route"),
+    [(None, True, "host"), (None, False, "inline"), ("", True, "host"), ("auto", False, "inline"),
+     ("inline", True, "inline"), (" Host ", False, "host")],
+)  # fmt: skip
+def test_the_log_route_is_host_behind_the_gate_unless_asked(asked, gate, route):
+    assert log_route_for(asked, gate) == route
+
+
+def test_the_host_route_copies_only_a_gpus_bucket_all_reduces_but_the_last():
+    last = 24  # the step before's last bucket all-reduce
+    assert copies_to_host("host", True, "allreduce", 3, last)
+    assert copies_to_host("host", True, "allreduce", 3, None)  # the first step: none known
+    assert not copies_to_host("host", True, "allreduce", last, last)
+    assert not copies_to_host("host", True, "broadcast", 0, last)  # DDP waits for it at once
+    assert not copies_to_host("host", False, "allreduce", 3, last)  # CPU tensors
+    assert not copies_to_host("inline", True, "allreduce", 3, last)
 
 
 def _broadcast(group, tensor):

@@ -41,6 +41,10 @@ PAUSE_CLOSE = "XMIG_PAUSE_CLOSE"
 # "0": closing an NCCL communicator does not wake NCCL's socket service thread (``ccl.wake``,
 # on by default: a close then takes 0.02-0.03 s instead of up to 0.5 s)
 NCCL_WAKE = "XMIG_NCCL_WAKE"
+# where a GPU's replay log copies the bucket all-reduces' inputs (``xmig.proxy.log_route_for``):
+# "inline" (the framework's stream, device memory), "host" (pinned host memory, the log's own
+# stream) or "auto" (the default: "host" with the GPU gate, else "inline")
+LOG_ROUTE = "XMIG_LOG_ROUTE"
 # a host's own launch (``xmig.jobspec.HostLaunch`` JSON), from its launcher to its agent
 HOST_LAUNCH = "XMIG_HOST_LAUNCH"
 COORD_RESTART = "XMIG_COORD_RESTART"  # a coordinator started again: how many ran before
@@ -48,6 +52,22 @@ COORD_RESTART = "XMIG_COORD_RESTART"  # a coordinator started again: how many ra
 # outcome in etcd is this run's if it ended later, an earlier run's under the same id if not
 LAUNCHED_AT = "XMIG_LAUNCHED_AT"
 JOIN_REFUSED_EXIT_CODE = 3  # an agent the job did not take (its line says why)
+
+# where a GPU's replay log copies the bucket all-reduces' inputs (``XMIG_LOG_ROUTE``)
+LOG_ROUTES = ("inline", "host")
+
+
+def log_route_for(asked: str | None, gate: bool) -> str:
+    """The route of a GPU's replay-log copies: the one asked for (``XMIG_LOG_ROUTE``; unset
+    or "auto": the default), by default "host" behind the GPU gate, where it was measured
+    faster, and "inline" without it."""
+    route = (asked or "auto").strip().lower()
+    if route == "auto":
+        return "host" if gate else "inline"
+    if route not in LOG_ROUTES:
+        raise ValueError(f"{LOG_ROUTE}={asked!r}: expected auto, {', '.join(LOG_ROUTES)}")
+    return route
+
 
 ROLE_NAME = "default"  # torchrun's one role
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xmig import logs, protocol
+from xmig import jobenv, logs, protocol
 from xmig.ccl import BACKENDS
 from xmig.jobenv import WorkerEnv
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch, wait_for_aborts, wait_let_go
@@ -131,6 +131,7 @@ class Session:
             ctx.comms.communicator(name, generation, group_rank, size),
             before_op=ctx.injector.at_collective,
             keep_log=ctx.env.keep_log,
+            log_route=jobenv.log_route_for(os.environ.get(jobenv.LOG_ROUTE), gate),
             gate=gate,
             on_trouble=lambda error: on_trouble(ctx, error),
             # a replacement serves its prologue (DDP's construction) locally

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import click
 import typer
 
-from xmig import __version__, logs
+from xmig import __version__, jobenv, logs
 from xmig.faults.spec import FaultSpecError, parse_faults
 from xmig.jobspec import (
     DEFAULT_AGENT_CONNECT_TIMEOUT_S,
@@ -235,7 +235,8 @@ def run(
             help="(Experimental) On GPUs, complete a bucket all-reduce's future at once behind "
             "a gate on the GPU that opens there once the all-reduce has ended (a recovery "
             "closes it first), so the CPU runs ahead as with plain DDP (a step at gpt350m "
-            "takes about 0.5 % less). Its workers load "
+            "takes about 0.5 % less), and its replay log copies the bucket all-reduces' inputs "
+            "into pinned host memory through the copy engines (XMIG_LOG_ROUTE). Its workers load "
             "every CUDA module at start (CUDA_MODULE_LOADING=EAGER: a lazy load waits for a "
             "shut gate). Not yet run with a peer on GPUs. Not for optimizers that read GPU "
             "values on the host inside step().",
@@ -345,6 +346,10 @@ def run(
         spare_nodes = most - nodes
     if rdzv_backend not in ("c10d", "static", "xmig"):
         raise click.UsageError(f"--rdzv-backend must be c10d or static, got {rdzv_backend!r}")
+    try:  # read by the workers, which inherit this environment: refused here, before any starts
+        jobenv.log_route_for(os.environ.get(jobenv.LOG_ROUTE), gpu_gate)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     token = None
     host: dict[str, Any] = {}
     if join_timeout is None:

@@ -144,16 +144,20 @@ class BufferPool:
         self._wanted: dict[tuple[Any, ...], int] = {}  # the same, in the step before
         self._lock = threading.Lock()
 
-    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor``, on the current stream."""
-        key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+    def copy_of(self, tensor: torch.Tensor, host: bool = False) -> torch.Tensor:
+        """A copy of ``tensor``; with ``host``, of a GPU tensor into pinned host memory, queued
+        on the current stream (the caller waits for it before reading it)."""
+        device = torch.device("cpu") if host else tensor.device
+        key = (tuple(tensor.shape), tensor.dtype, device)
         with self._lock:
             self._asked[key] = self._asked.get(key, 0) + 1
             free = self._free.get(key)
             buffer = free.pop() if free else None
         if buffer is None:
-            return tensor.detach().clone()
-        buffer.copy_(tensor.detach())
+            if not host:
+                return tensor.detach().clone()
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        buffer.copy_(tensor.detach(), non_blocking=host)
         return buffer
 
     def new_step(self) -> None:
@@ -231,6 +235,9 @@ class OpRecord:
     # (GPU, gates on) an event on the issuing stream after its inputs were logged: a
     # recovery on a stream of its own waits on it, never on the framework's whole stream
     logged_event: Any = None
+    # (GPU, log routes "side" and "host") the stream its inputs were copied on, and launched
+    # from
+    log_stream: Any = None
     # an injected error it reports once it has ended (``raise`` at ``completion=K``)
     late_error: str | None = None
     launched_on: int | None = None  # the backend (its id) it was launched on
@@ -294,7 +301,8 @@ class OpRecord:
         args = []
         for i, arg in enumerate(self.args):
             if i in inputs:
-                args.append(map_tensors(arg, lambda _t: next(saved).clone()))
+                # where the op's own tensor is (a log copy may be in host memory)
+                args.append(map_tensors(arg, lambda t: next(saved).to(t.device, copy=True)))
             elif i in TENSOR_ARGS[self.op]:
                 args.append(map_tensors(arg, torch.empty_like))
             else:

@@ -29,6 +29,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from xmig.ccl import Communicator
 from xmig.ccl.wake import woken
+from xmig.jobenv import LOG_ROUTES
 from xmig.proxy.gate import CLOSE_SETTLE_S, GATED_OPS, GateUnavailable, StreamGate, side_stream
 from xmig.proxy.oplog import (
     INPUT_ARGS,
@@ -125,6 +126,8 @@ class ProxyProcessGroup(dist.ProcessGroup):
     ``on_issue(record)`` sees each op before it goes out. ``gate``: complete the futures of
     ``GATED_OPS`` on a GPU at once, behind a gate the proxy opens once the op has ended
     well (``gate_factory`` makes a device's gate; a test's may gate CPU ops too).
+    ``log_route``: where a GPU's log copies the bucket all-reduces' inputs ("inline" or
+    "host", ``copies_to_host``).
     """
 
     def __init__(
@@ -139,14 +142,23 @@ class ProxyProcessGroup(dist.ProcessGroup):
         sequence: OpSequence | None = None,
         gate: bool = False,
         gate_factory: GateFactory | None = None,
+        log_route: str = "inline",
     ) -> None:
         super().__init__(communicator.rank, communicator.size)
+        if log_route not in LOG_ROUTES:
+            raise ValueError(f"log route {log_route!r}: expected one of {', '.join(LOG_ROUTES)}")
         self.communicator = communicator
         self.group = group  # its name in xmig's communicators (``world``, ``pg<id>``)
         self.sequence = sequence if sequence is not None else OpSequence()
         self.retired: list[Communicator] = []  # gloo cannot be destroyed while an op hangs
         self.before_op = before_op
         self.keep_log = keep_log
+        self.log_route = log_route
+        # the index of the last bucket all-reduce (``GATED_OPS``) of the step before, and of
+        # this step so far: the "host" route copies that one on the GPU, as the step's
+        # backward ends waiting for it
+        self._last_large: int | None = None
+        self._last_large_now: int | None = None
         self.on_trouble = on_trouble
         self.on_issue = on_issue  # sees every op as the framework issues it (xmig check)
         self.mode = mode
@@ -244,6 +256,7 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.step = step
             self.ops_in_step = 0
             self._trim_due = True
+            self._last_large, self._last_large_now = self._last_large_now, None
         if not defer_trim:
             self.trim_log()
 
@@ -321,9 +334,9 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._log_inputs(record)
             self.log_copy_seconds += time.perf_counter() - started
             self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
-        if self.gate and device is not None:
+        if device is not None and (self.gate or record.log_stream is not None):
             record.logged_event = torch.cuda.Event()
-            record.logged_event.record()
+            record.logged_event.record(record.log_stream)
         trouble = None
         with self._cv:
             self.log.append(record)
@@ -448,19 +461,34 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self._cv.notify_all()
 
     def _log_inputs(self, record: OpRecord) -> None:
-        # on GPU the copies run on the issuing thread's stream, before the launch: NCCL's
-        # stream waits for them, and so does a replay. A stream of the log's own, the op
-        # launched from it (into GPU memory, or pinned host memory through the copy
-        # engines), measured slower every time: on 2 x H200, launch overhead beyond the
-        # overlap; on H100s with the gate, 1.0166-1.0228 of plain DDP against 1.0065-1.0093.
-        # In DDP communication hooks behind the same gate the copy engines' route gains and
-        # the GPU-memory one loses as here (``bench/log_routes.py``): why the first loses in
-        # the proxy is not known
-        record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
+        # route "inline": on GPU the copies run on the issuing thread's stream, before the
+        # launch; NCCL's stream waits for them, and so does a replay. Route "host": a bucket
+        # all-reduce's copy goes into pinned host memory on the log's own stream, through the
+        # copy engines beside the backward's kernels, and the op is launched from that stream
+        # so that NCCL waits for the copy and the framework does not (behind the gate on an
+        # H100: 1.0042-1.0113 of plain DDP against inline's 1.0078-1.0108). The step's last
+        # bucket stays on the GPU: the backward's end waits for it. So does every other op:
+        # DDP waits for the forward's broadcast on the host at once, and a copy of it
+        # through host memory put the copy engines' time into the step (1.0166-1.0190)
+        if record.op in GATED_OPS:
+            self._last_large_now = record.index
+        if not copies_to_host(self.log_route, record.device is not None, record.op,
+                              record.index, self._last_large):  # fmt: skip
+            record.inputs = [self._buffers.copy_of(t) for t in record.input_tensors]
+            return
+        stream = side_stream(record.device, _LOG)
+        stream.wait_stream(torch.cuda.current_stream(record.device))
+        with torch.cuda.stream(stream):
+            record.inputs = [self._buffers.copy_of(t, host=True) for t in record.input_tensors]
+        record.log_stream = stream
 
     def _launch(self, record: OpRecord, args: tuple[Any, ...] | None = None) -> None:
         try:
-            work = getattr(self.communicator.backend, record.op)(*(args or record.args))
+            # from the log's stream where the copies ran there: NCCL waits for them
+            stream = (torch.cuda.stream(record.log_stream) if record.log_stream is not None
+                      else contextlib.nullcontext())  # fmt: skip
+            with stream:
+                work = getattr(self.communicator.backend, record.op)(*(args or record.args))
         except Exception as exc:  # a communicator that is already broken
             record.state, record.error = "failed", str(exc)
             record.done_event.set()
@@ -913,7 +941,15 @@ def wait_for_aborts(timeout: float) -> bool:
         return not _ABORTS
 
 
+def copies_to_host(route: str, on_gpu: bool, op: str, index: int, last: int | None) -> bool:
+    """Whether the log copies op ``index`` of a step into host memory on its own stream: on
+    the "host" route, a GPU's bucket all-reduces (``GATED_OPS``) but the step's last (its
+    index in the step before, ``last``), which the backward's end waits for."""
+    return route == "host" and on_gpu and op in GATED_OPS and index != last
+
+
 _WAITER = "proxy-waiter"
+_LOG = "proxy-log"
 
 # the records a step boundary drops are let go on a thread of their own: destroying their
 # works and CUDA-aware futures took about half of a boundary on an H200 (0.6 ms a step,

@@ -257,10 +257,10 @@ class Migration:
         elif dropped:
             if ctx.backend == "nccl":
                 torch.cuda.empty_cache()  # their blocks are not checkpointed
-            else:
-                # copies in host memory: freed, they stay in the C library's heap, which
-                # CRIU's image would carry (a gpt100m rank's image on the CPU machine: 383 MB
-                # without this, 243 MB with it)
+            if ctx.backend != "nccl" or any(p.log_route == "host" for p in ctx.groups.proxies()):
+                # copies in host memory: freed, they stay in the C library's heap or in
+                # PyTorch's cache of pinned blocks, which CRIU's image would carry (a gpt100m
+                # rank's image on the CPU machine: 383 MB without this, 243 MB with it)
                 trim_host_memory()
         if dropped:
             logger.info("rank %d: the replay log's copies of the steps before %d dropped "
