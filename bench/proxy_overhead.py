@@ -166,10 +166,10 @@ def main() -> None:
         train(ddp_p, opt_p, i, "plain")
         times["plain"].append(time.perf_counter() - started)
 
-    def proxy_counters() -> tuple[float, float, float, float]:
+    def proxy_counters() -> tuple[float, ...]:
         proxy = session.proxy
         return (proxy.log_copy_seconds, proxy.log_copy_bytes, proxy.issue_seconds,
-                proxy.issued)  # fmt: skip
+                proxy.issued, proxy.gate_wait_seconds, proxy.gate_wait_backlog)  # fmt: skip
 
     # the proxy's counters where the timed steps begin and end: a warm-up's one-off costs
     # (the log's first buffers, pinned ones among them) are not a step's
@@ -200,7 +200,7 @@ def main() -> None:
             plain_step(i)
     counted.append(proxy_counters())
     timed = max(args.steps - args.warmup, 1)
-    copy_s, copy_bytes, issue_s, issued = (
+    copy_s, copy_bytes, issue_s, issued, gate_wait_s, gate_backlog = (
         end - start for start, end in zip(counted[0], counted[-1], strict=True)
     )
     profiles = {}
@@ -240,6 +240,10 @@ def main() -> None:
             "ops_per_step": issued / timed,
             "profile": profiles,
             "boundary_ms": statistics.median(boundaries[args.warmup :]) * 1000,
+            # (gate) of the boundary: the wait for the step's gates to open, and the ops the
+            # proxy's waiter had yet to complete as it began, a step on average
+            "gate_wait_ms_per_step": gate_wait_s / timed * 1000,
+            "gate_backlog_per_step": gate_backlog / timed,
             # per point: the median of the CPU's and of the GPU's time since the step began
             # (ms); the GPU later than the CPU by their difference: the CPU that far ahead
             "phases": {

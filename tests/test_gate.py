@@ -174,6 +174,25 @@ def test_a_gated_op_is_complete_at_once_and_its_gate_opens_once_it_has_ended():
     assert gates[0].releases == [1] and not proxy.shut_gates()
 
 
+def test_the_boundary_counts_its_wait_and_the_ops_still_to_complete():
+    proxy, backend, gates = _gated_proxy()
+    proxy.begin_step(0)
+    for _ in range(3):
+        _allreduce(proxy, torch.ones(2))
+    backend.end(0)
+    _until(lambda: gates[0].released == 1)
+    ended = threading.Timer(0.2, lambda: (backend.end(1), backend.end(2)))
+    ended.start()
+    try:
+        assert proxy.wait_gates_open(5.0)
+    finally:
+        ended.join()
+    assert proxy.gate_wait_backlog == 2  # ops 1 and 2 were yet to complete
+    assert proxy.gate_wait_seconds >= 0.15
+    assert proxy.wait_gates_open(5.0)  # nothing left: counts nothing more
+    assert proxy.gate_wait_backlog == 2
+
+
 def test_gates_open_in_the_order_the_ops_end():
     proxy, backend, gates = _gated_proxy()
     proxy.begin_step(0)

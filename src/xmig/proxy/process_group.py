@@ -185,6 +185,10 @@ class ProxyProcessGroup(dist.ProcessGroup):
         self.log_copy_bytes = 0
         self.issue_seconds = 0.0  # the proxy's own time in the framework's calls
         self.issued = 0
+        # (gates) at the step boundaries: the time spent waiting for the step's gates to
+        # open, and the ops the waiter had yet to complete as the wait began
+        self.gate_wait_seconds = 0.0
+        self.gate_wait_backlog = 0
         self._queue: deque[OpRecord] = deque()
         self._cv = threading.Condition()
         self.gate = gate  # the gate is wanted; ``gating``: it is used now (not in a recovery)
@@ -393,14 +397,19 @@ class ProxyProcessGroup(dist.ProcessGroup):
     def wait_gates_open(self, timeout: float) -> bool:
         """Wait until every gated op has ended well (False after ``timeout`` seconds): at a
         step boundary, so that no op of the step ends (or fails) after the next began."""
+        started = time.perf_counter()
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while self.gates_closed():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
-        return True
+        try:
+            with self._cv:
+                self.gate_wait_backlog += len(self._queue)
+                while self.gates_closed():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cv.wait(remaining)
+            return True
+        finally:
+            self.gate_wait_seconds += time.perf_counter() - started
 
     def first_closed(self) -> OpRecord | None:
         """The earliest op whose gate is still shut."""
