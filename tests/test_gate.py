@@ -394,6 +394,14 @@ def test_an_update_issued_behind_a_shut_gate_counts_as_not_taken_until_it_opens(
     backend.end(0)
     assert proxy.wait_gates_open(5.0) and not queued.pending()
     assert WorkerContext.state_step.fget(_position(ctx)) == 7
+    # the next step begins with the update kept (the boundary does not let it go): it no
+    # longer counts, for the position or for the state a peer pulls
+    ctx.step, ctx.optimizer_stepped = 7, False
+    assert ctx.queued_update is queued
+    assert WorkerContext.state_step.fget(_position(ctx)) == 7
+    now = current()
+    stand_in = SimpleNamespace(queued_update=ctx.queued_update, state_dict=lambda: now)
+    assert WorkerContext.recovery_state(stand_in) is now
 
 
 def _position(ctx):

@@ -106,7 +106,11 @@ class StepLoop:
                     ctx.registry.at_boundary(step)
                     ctx.step = step
                     ctx.optimizer_stepped = False
-                    ctx.queued_update = None
+                    # the step before's queued update, if any, stays until the next optimizer
+                    # step replaces it: its gates are all open now, so it no longer counts
+                    # (``pending``), and letting its host copies go here, where the GPU waits
+                    # for the step's first kernels, took 0.2-0.7 ms on the CPU machine (the
+                    # step counts of gpt350m's 292 parameters)
                     reseed(ctx.seed, ctx.rank, step)
                     for proxy in ctx.groups.proxies():
                         proxy.begin_step(step, defer_trim=ctx.trims_after_forward)
