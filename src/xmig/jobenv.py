@@ -41,7 +41,7 @@ PAUSE_CLOSE = "XMIG_PAUSE_CLOSE"
 # "0": closing an NCCL communicator does not wake NCCL's socket service thread (``ccl.wake``,
 # on by default: a close then takes 0.02-0.03 s instead of up to 0.5 s)
 NCCL_WAKE = "XMIG_NCCL_WAKE"
-# where a GPU's replay log copies the bucket all-reduces' inputs (``xmig.proxy.log_route_for``):
+# where a GPU's replay log copies the bucket all-reduces' inputs (``log_route_for`` below):
 # "inline" (the framework's stream, device memory), "host" (pinned host memory, the log's own
 # stream) or "auto" (the default: "host" with the GPU gate, else "inline")
 LOG_ROUTE = "XMIG_LOG_ROUTE"

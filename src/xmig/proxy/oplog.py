@@ -235,8 +235,7 @@ class OpRecord:
     # (GPU, gates on) an event on the issuing stream after its inputs were logged: a
     # recovery on a stream of its own waits on it, never on the framework's whole stream
     logged_event: Any = None
-    # (GPU, log routes "side" and "host") the stream its inputs were copied on, and launched
-    # from
+    # (GPU, the "host" log route) the stream its inputs were copied on, and launched from
     log_stream: Any = None
     # an injected error it reports once it has ended (``raise`` at ``completion=K``)
     late_error: str | None = None
