@@ -553,6 +553,22 @@ def test_the_host_route_copies_only_a_gpus_bucket_all_reduces_but_the_last():
     assert not copies_to_host("inline", True, "allreduce", 3, last)
 
 
+def test_the_proxy_knows_the_last_bucket_all_reduce_of_the_step_before(proxy):
+    """What keeps the step's last bucket on the GPU on the host route: its index, learnt
+    from the step before (a broadcast first, as DDP's forward issues one)."""
+    proxy.begin_step(0)
+    assert proxy._last_large is None
+    _broadcast(proxy, torch.ones(2))
+    for _ in range(3):
+        proxy.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+    proxy.begin_step(1)
+    assert proxy._last_large == 3
+    assert not copies_to_host("host", True, "allreduce", 3, proxy._last_large)
+    assert copies_to_host("host", True, "allreduce", 2, proxy._last_large)
+    proxy.begin_step(2)  # a step without collectives: none known
+    assert proxy._last_large is None
+
+
 def _broadcast(group, tensor):
     group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
