@@ -73,10 +73,11 @@ def main() -> None:
     parser.add_argument(
         "--stacks-after",
         type=float,
-        help="print every thread's stack after this many seconds (a hang)",
+        default=900.0,
+        help="a hang: print every thread's stack and end after this many seconds (900)",
     )
     args, model_args = parser.parse_known_args()
-    if args.stacks_after:
+    if args.stacks_after > 0:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stacks_after, exit=True)
