@@ -71,6 +71,11 @@ def main() -> None:
         "(on whichever thread issues it: autograd's for DDP's buckets)",
     )
     parser.add_argument(
+        "--profile-op",
+        help="with --profile-issue: profile only the ops of this kind (e.g. broadcast, DDP's "
+        "buffer broadcast at each forward, which the GPU waits for while idle)",
+    )
+    parser.add_argument(
         "--stacks-after",
         type=float,
         default=900.0,
@@ -160,7 +165,9 @@ def main() -> None:
         import cProfile
 
         boundary_profile = cProfile.Profile()
-    issue_profiles = profile_issues(session.proxy) if args.profile_issue else None
+    issue_times = time_issues(session.proxy)
+    issue_profiles = (profile_issues(session.proxy, args.profile_op) if args.profile_issue
+                      else None)  # fmt: skip
 
     def plain_step(i: int) -> None:
         started = time.perf_counter()
@@ -180,6 +187,8 @@ def main() -> None:
         started = time.perf_counter()
         if len(boundaries) == args.warmup:
             counted.append(proxy_counters())
+        if len(boundaries) == args.warmup:
+            issue_times.on = True
         if issue_profiles is not None and len(boundaries) == args.warmup:
             issue_profiles.on = True
         if boundary_profile is not None and len(boundaries) >= args.warmup:
@@ -245,6 +254,10 @@ def main() -> None:
             # proxy's waiter had yet to complete as it began, a step on average
             "gate_wait_ms_per_step": gate_wait_s / timed * 1000,
             "gate_backlog_per_step": gate_backlog / timed,
+            # the proxy's issue of each kind of op, µs an op (the log's copies included)
+            "issue_us_by_op": {
+                op: seconds / count * 1e6 for op, (count, seconds) in issue_times.by_op.items()
+            },  # fmt: skip
             # per point: the median of the CPU's and of the GPU's time since the step began
             # (ms); the GPU later than the CPU by their difference: the CPU that far ahead
             "phases": {
@@ -269,8 +282,9 @@ class IssueProfiles:
     """cProfile around each op the proxy issues once ``on``: one profile per issuing thread
     (a profile records only the thread that enabled it), merged when written."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: str | None = None) -> None:
         self.on = False
+        self.only = only
         self.ops = 0
         self.seconds = 0.0
         self._by_thread: dict[int, object] = {}
@@ -280,7 +294,7 @@ class IssueProfiles:
         import threading
 
         def profiled(op, op_args):  # noqa: ANN001, ANN202
-            if not self.on:
+            if not self.on or (self.only is not None and op != self.only):
                 return issue(op, op_args)
             profiler = self._by_thread.setdefault(threading.get_ident(), cProfile.Profile())
             started = time.perf_counter()
@@ -300,8 +314,9 @@ class IssueProfiles:
 
         text = io.StringIO()
         each = self.seconds * 1e6 / max(self.ops, 1)
-        text.write(f"{self.ops} ops issued under the profiler, {each:.0f} us an op on average "
-                   f"({len(self._by_thread)} issuing threads)\n")  # fmt: skip
+        kind = f" {self.only}" if self.only else ""
+        text.write(f"{self.ops}{kind} ops issued under the profiler, {each:.0f} us an op on "
+                   f"average ({len(self._by_thread)} issuing threads)\n")  # fmt: skip
         if self._by_thread:
             stats = pstats.Stats(*self._by_thread.values(), stream=text)
             stats.sort_stats("cumulative").print_stats(50)
@@ -309,9 +324,38 @@ class IssueProfiles:
         path.write_text(text.getvalue())
 
 
-def profile_issues(proxy) -> IssueProfiles:  # noqa: ANN001 - xmig's ProxyProcessGroup
-    """Profile ``proxy``'s issue of each op (from when the returned object is turned on)."""
-    profiles = IssueProfiles()
+class IssueTimes:
+    """The wall time of the proxy's issue of each op once ``on``, by the op's kind."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.by_op: dict[str, tuple[int, float]] = {}
+
+    def around(self, issue):  # noqa: ANN001, ANN201 - the proxy's own ``_issue``
+        def timed(op, op_args):  # noqa: ANN001, ANN202
+            if not self.on:
+                return issue(op, op_args)
+            started = time.perf_counter()
+            try:
+                return issue(op, op_args)
+            finally:
+                count, seconds = self.by_op.get(op, (0, 0.0))
+                self.by_op[op] = (count + 1, seconds + time.perf_counter() - started)
+
+        return timed
+
+
+def time_issues(proxy) -> IssueTimes:  # noqa: ANN001 - xmig's ProxyProcessGroup
+    """Time ``proxy``'s issue of each op, by kind, from when the returned object is on."""
+    times = IssueTimes()
+    proxy._issue = times.around(proxy._issue)
+    return times
+
+
+def profile_issues(proxy, only: str | None = None) -> IssueProfiles:  # noqa: ANN001
+    """Profile ``proxy``'s (xmig's ProxyProcessGroup) issue of each op, or of each ``only``
+    op, from when the returned object is turned on."""
+    profiles = IssueProfiles(only)
     proxy._issue = profiles.around(proxy._issue)
     return profiles
 

@@ -23,7 +23,7 @@ from xmig.faults.injector import Injector
 from xmig.jobenv import log_route_for
 from xmig.paths import parking_files
 from xmig.proxy import ProxyProcessGroup, ReplayMismatch
-from xmig.proxy.process_group import copies_to_host
+from xmig.proxy.process_group import _when_done, copies_to_host
 from xmig.worker import migration as migration_module
 from xmig.worker.errors import RecoveryFailed
 from xmig.worker.hooks import OptimizerGate
@@ -551,6 +551,59 @@ def test_the_host_route_copies_only_a_gpus_bucket_all_reduces_but_the_last():
     assert not copies_to_host("host", True, "broadcast", 0, last)  # DDP waits for it at once
     assert not copies_to_host("host", False, "allreduce", 3, last)  # CPU tensors
     assert not copies_to_host("inline", True, "allreduce", 3, last)
+
+
+class _FakeWork:
+    """A work with a future (``future``), or none (``get_future`` raises, as some of gloo's)."""
+
+    def __init__(self, future: torch.futures.Future | None) -> None:
+        self.future, self.waited = future, threading.Event()
+
+    def get_future(self) -> torch.futures.Future:
+        if self.future is None:
+            raise RuntimeError("this work has no future")
+        return self.future
+
+    def wait(self) -> bool:
+        self.waited.wait(10)
+        return True
+
+
+class _CountedFuture(torch.futures.Future):
+    def __init__(self) -> None:
+        super().__init__()
+        self.callbacks_added = 0
+
+    def add_done_callback(self, callback):  # noqa: ANN001, ANN201
+        self.callbacks_added += 1
+        return super().add_done_callback(callback)
+
+
+def test_an_op_is_known_done_when_its_future_is_or_when_its_work_has_ended():
+    """NCCL's futures are done at the launch: the callback runs before the call returns
+    (on the calling thread, once); a future still pending calls back once it completes; a
+    work without a future is waited for on a thread of its own."""
+    called: list[str] = []
+    done = _CountedFuture()
+    done.set_result([])
+    _when_done(_FakeWork(done), lambda: called.append(threading.current_thread().name))
+    assert called == [threading.current_thread().name]
+    # not through the future's own call, which lets go of the interpreter twice
+    assert done.callbacks_added == 0
+
+    called.clear()
+    pending = _CountedFuture()
+    _when_done(_FakeWork(pending), lambda: called.append("pending"))
+    assert called == []
+    pending.set_result([])
+    assert called == ["pending"] and pending.callbacks_added == 1
+
+    ended = threading.Event()
+    work = _FakeWork(None)
+    _when_done(work, ended.set)
+    assert not ended.wait(0.05)  # the work has not ended yet
+    work.waited.set()
+    assert ended.wait(10)
 
 
 def test_the_proxy_knows_the_last_bucket_all_reduce_of_the_step_before(proxy):
