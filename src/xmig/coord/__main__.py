@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -46,8 +47,11 @@ def main() -> int:
     ready = {"ready": True, "address": coord.address, "master_port": coord.spec.master_port,
              "pid": os.getpid()}  # fmt: skip
     print(json.dumps(ready), flush=True)
-    if coord.plane is not None and not coord.lead(threading.Event()):
-        return 1
+    if coord.plane is not None:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda signum, _frame: given_up(coord, stop, signum))
+        if not coord.lead(stop):
+            return 1
     coord.run()
     # let the launcher read the outcome and the agents shut down before the store goes away,
     # and the requests decided before the end (``xmig stop``'s) have their replies
@@ -66,8 +70,20 @@ def main() -> int:
                 coord.plane.end(coord.summary)
             else:
                 coord.plane.clear()
-        coord.leadership.resign()
+        leadership, coord.leadership = coord.leadership, None
+        leadership.resign()
     return 0 if coord.status == "completed" else 1
+
+
+def given_up(coord: Coordinator, stop: threading.Event, signum: int) -> None:
+    """(HA control plane.) SIGTERM, as the launcher ends the job's coordinators: the lead, if
+    this one holds it, is given back before the process ends, so that its key does not
+    outlive it by its lease's time (a standby stopped as it took the lead over left it)."""
+    stop.set()
+    leadership = coord.leadership
+    if leadership is not None:
+        leadership.resign()
+    leave(128 + signum)
 
 
 def leave(code: int) -> None:

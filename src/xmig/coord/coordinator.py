@@ -176,13 +176,14 @@ class Coordinator:
         leadership = self.plane.campaign(me, LEADER_TTL_S, stop)
         if leadership is None:
             return False
+        self.leadership = leadership  # held from here: a SIGTERM gives it back (``__main__``)
         ended = self.plane.outcome(since=self.started_wall)
         if ended is not None:  # a standby that won after the job's end: nothing to lead
             log.info("job %s has ended already (%s): this coordinator stops",
                      self.spec.job_id, ended.get("status"))  # fmt: skip
+            self.leadership = None
             leadership.resign()
             return False
-        self.leadership = leadership
         data = self.plane.get_snapshot()
         if data is not None:
             self.job = restore(self.spec, data, time.time(), self.launch, how="took over")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+
+# gRPC's fork support, off unless the user's environment says otherwise, before gRPC is first
+# loaded: with it on (grpcio 1.80 and later), a child forked to exec while a channel is open
+# (``subprocess.Popen`` with a ``preexec_fn``: the launcher's coordinators and agents, an
+# agent's workers) restarts gRPC's poller, which ``close_fds`` then breaks, and the child
+# aborts before its exec (8 of 300 children so on the CPU machine, grpcio 1.85.4; none with
+# it off; the HA job test lost its agent so in 1 run of 15). No xmig process uses gRPC in a
+# child forked without exec, which is what the support is for.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 SCHEME = "etcd://"
 CALL_TIMEOUT_S = 1.0  # one request to one member

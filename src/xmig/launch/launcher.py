@@ -801,6 +801,13 @@ class Launcher:
         """Every process of the job ends, within a bound, whatever happened."""
         with self._agents_lock:  # no node is added from now on
             self._ended_event.set()
+        # the standbys first, while this launcher's connection still keeps the leader from
+        # resigning (it lingers until its peers are gone): a standby that took the lead
+        # after it and was stopped before it saw the outcome left the leader key behind
+        # for its lease's time
+        for proc in self.candidates:
+            if proc is not self.coordinator and proc.poll() is None:
+                stop_process(proc, grace=1.0)
         if self.client is not None:
             self.client.close()
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
@@ -810,9 +817,6 @@ class Launcher:
                 proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
                 stop_process(proc, grace=1.0)  # its workers die with it (parent-death signal)
-        for proc in self.candidates:  # the standbys first: the leader resigns as it ends
-            if proc is not self.coordinator and proc.poll() is None:
-                stop_process(proc, grace=1.0)
         if self.coordinator is not None:
             try:
                 self.coordinator.wait(timeout=max(0.1, deadline - time.monotonic()))
