@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # (``subprocess.Popen`` with a ``preexec_fn``: the launcher's coordinators and agents, an
 # agent's workers) restarts gRPC's poller, which ``close_fds`` then breaks, and the child
 # aborts before its exec (8 of 300 children so on the CPU machine, grpcio 1.85.4; none with
-# it off; the HA job test lost its agent so in 1 run of 15). No xmig process uses gRPC in a
+# it off; the HA job test lost its agent so in 1 run of 12). No xmig process uses gRPC in a
 # child forked without exec, which is what the support is for.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
