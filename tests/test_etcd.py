@@ -266,7 +266,7 @@ def test_children_forked_while_an_etcd_channel_is_open_reach_their_exec(etcd_clu
     try:
         plane.leader()  # the channel is up
         codes = [subprocess.run(["/bin/true"], preexec_fn=lambda: None, check=False,
-                                stderr=subprocess.DEVNULL).returncode
+                                stderr=subprocess.DEVNULL, timeout=10).returncode
                  for _ in range(300)]  # fmt: skip
         assert codes.count(0) == len(codes), sorted(set(codes))
     finally:
@@ -279,6 +279,7 @@ def test_a_coordinator_stopped_by_sigterm_gives_its_lead_back_at_once(etcd_clust
     when it took the lead over just before) gives its key back as it ends, rather than
     leaving it to its lease's time, and a standby that does not lead ends at once."""
     import json
+    import select
     import subprocess
     import sys
 
@@ -297,15 +298,18 @@ def test_a_coordinator_stopped_by_sigterm_gives_its_lead_back_at_once(etcd_clust
         env = {**os.environ, TOKEN: "t" * 64}
         proc = subprocess.Popen([sys.executable, "-m", "xmig.coord"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env)  # fmt: skip
+        started.append(proc)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write((json.dumps(spec.to_json()) + "\n").encode())
         proc.stdin.close()
+        # its ready line, within a bound (a coordinator that hangs before it fails the test)
+        assert select.select([proc.stdout], [], [], 30)[0], "no ready line within 30 s"
         assert json.loads(proc.stdout.readline())["ready"]
         return proc
 
-    leader = coordinator()
-    standby = None
+    started: list[subprocess.Popen] = []
     try:
+        leader = coordinator()
         wait_for(lambda: getattr(plane.leader(), "pid", None) == leader.pid, 20, "its lead")
         standby = coordinator()
         time.sleep(0.5)  # campaigning (its SIGTERM handler set): the key is the leader's
@@ -317,9 +321,9 @@ def test_a_coordinator_stopped_by_sigterm_gives_its_lead_back_at_once(etcd_clust
         # at once: the lease, refreshed every third of its 2 s, had over a second left
         assert plane.leader() is None
     finally:
-        for proc in (leader, standby):
-            if proc is not None and proc.poll() is None:
+        for proc in started:
+            if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(10)
         plane.clear()
         plane.close()
