@@ -1042,7 +1042,8 @@ def _as_async(args: tuple[Any, ...]) -> None:
 
 
 def _when_done(work: dist.Work, callback: Callable[[], None]) -> None:
-    """Call ``callback`` once ``work`` has ended, well or not. Some of gloo's works have no
+    """Call ``callback`` once ``work``'s future is done (NCCL's at the launch: the caller then
+    watches its GPU work), or once a work without one has ended. Some of gloo's works have no
     future (``_reduce_scatter_base``): a thread of their own waits for those, so that nobody
     who must stay free to be halted waits inside one (an op abandoned by a recovery keeps
     its thread until the communicator's timeout)."""
