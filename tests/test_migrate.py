@@ -9,6 +9,7 @@ import pytest
 
 from xmig.coord.migration import DOWNTIME_PHASES, PHASES
 from xmig.migrate import criu_status
+from xmig.migrate.warm import WARM_ENV
 from xmig.paths import parking_files
 
 from helpers import DEMO, finish_run, resume_printed, run, start_run, xmig
@@ -122,11 +123,13 @@ def _wait_for_step(env, step, timeout=60.0):
 
 def test_migrate_command_moves_a_running_rank(tmp_path, tmp_path_factory):
     env = {"XMIG_JOBS_DIR": str(tmp_path / "jobs")}
-    # no room to park its tensors in: the rank moves with them
+    # no room to park its tensors in: the rank moves with them. Every node writes some of
+    # its memory once as it starts (a machine that backs memory on first use moves faster)
     proc = start_run(["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
                       "--simulate-hosts", "--hot-spares", "0", str(DEMO), "--steps",
                       str(LIVE_STEPS), "--quiet", "--step-sleep", "0.5"], tmp_path,
-                     env={"XMIG_PARK_DIR": str(tmp_path / "no-such-folder")})  # fmt: skip
+                     env={"XMIG_PARK_DIR": str(tmp_path / "no-such-folder"),
+                          WARM_ENV: "0.3"})  # fmt: skip
     _wait_for_step(env, 1)
     moved = xmig("migrate", "--rank", "1", "--to", "2", env=env, timeout=30)
     assert moved.returncode == 0, moved.stderr
@@ -137,6 +140,10 @@ def test_migrate_command_moves_a_running_rank(tmp_path, tmp_path_factory):
     assert record["phases"]["transfer"] == 0  # one machine: the images are read in place
     expected = reference_hash(2, tmp_path_factory, LIVE_STEPS)
     assert result.summary["final_params_sha256"] == expected
+    # the target node had written its 0.3 GB and given them back before the move came
+    assert re.search(
+        r"agent 2: warmed 0\.3 GB of this host's memory in [0-9.]+ s \(", result.output
+    ), result.output
 
 
 def test_bad_migrations_are_refused_and_the_job_goes_on(tmp_path, tmp_path_factory):

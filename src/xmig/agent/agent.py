@@ -32,6 +32,7 @@ from xmig.jobenv import COORD_ADDR, JOB_ID, JOIN_REFUSED_EXIT_CODE, TOKEN, Worke
 from xmig.jobspec import HostLaunch, JobSpec
 from xmig.migrate import criu, cuda, netif, stream
 from xmig.migrate.mover import MigrationError, ProcessMover
+from xmig.migrate.warm import MemoryWarmer, wanted_bytes
 from xmig.paths import is_parking_file, machine_id
 from xmig.procs import AdoptedProcess, die_with_parent, group_members, kill_group
 from xmig.protocol import (
@@ -292,6 +293,8 @@ class Agent:
         self._lost_at: float | None = None
         self._rejoin_deadline = 0.0  # (monotonic) until when a lost coordinator is waited for
         self._criu_status: CriuStatus | None = None
+        # XMIG_WARM_MEMORY_GB: this host's memory written once, so that a move's is backed
+        self.warmer: MemoryWarmer | None = None
 
     @property
     def job(self) -> JobSpec:
@@ -422,6 +425,7 @@ class Agent:
         self.server.start()
         # a restored (migrated) worker's restorer exits at once: the worker becomes ours
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        self._start_warming()
         try:
             self._job = self._join()
         except (JoinRefused, WireError) as exc:
@@ -439,12 +443,25 @@ class Agent:
                 self._start_zygote()
             return self._serve()
         finally:
+            if self.warmer is not None:
+                self.warmer.halt()
             if self.zygote is not None:
                 self.zygote.stop()
             if self.containers is not None:
                 left = self.containers.remove_all()
                 if left:
                     log.info("agent %d removed containers %s", self.node_rank, left)
+
+    def _start_warming(self) -> None:
+        """Write this host's memory once in the background (``XMIG_WARM_MEMORY_GB``)."""
+        try:
+            wanted = wanted_bytes()
+        except ValueError as exc:  # only a move's speed depends on it: the node still serves
+            log.error("agent %d: %s; its memory is not warmed", self.node_rank, exc)
+            return
+        if wanted:
+            self.warmer = MemoryWarmer(wanted, f"agent {self.node_rank}")
+            self.warmer.start()
 
     def _serve(self) -> int:
         """The main loop: the workers started, then events until one ends the agent."""
@@ -577,6 +594,8 @@ class Agent:
         """Bring a migrated worker back in this node (its network namespace) and adopt it."""
         rank, pid = order.rank, order.pid
         failed = Restored(rank=rank, node=self.node_rank, generation=order.generation, ok=False)
+        if self.warmer is not None:
+            self.warmer.halt()
         rejoin = Path(order.rejoin_file)
         transfer_s = 0.0
         if order.fetch:
@@ -712,6 +731,8 @@ class Agent:
             worker.peer.push(frame)
 
     def _dump_order(self, order: Dump) -> None:
+        if self.warmer is not None:  # the move needs the memory it holds now
+            self.warmer.halt()
         worker = self.workers.get(order.rank)
         self._dump_orders[order.rank] = (order, time.monotonic())
         if worker is None or worker.peer is None or not worker.peer.push(encode(order)):

@@ -1,0 +1,62 @@
+"""A host's memory written once before moves land on it (``xmig.migrate.warm``)."""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+import pytest
+
+from xmig.migrate.warm import CHUNK_BYTES, WARM_ENV, MemoryWarmer, wanted_bytes, warm_memory
+
+
+def test_the_size_asked_for_is_read_in_gb_and_bad_values_say_what_is_wrong():
+    assert wanted_bytes({}) == 0
+    assert wanted_bytes({WARM_ENV: " "}) == 0
+    assert wanted_bytes({WARM_ENV: "2.5"}) == 2_500_000_000
+    assert wanted_bytes({WARM_ENV: "0"}) == 0
+    for bad, why in [("8G", "not a number"), ("-1", ">= 0"), ("nan", ">= 0"), ("inf", ">= 0")]:
+        with pytest.raises(ValueError, match=why) as caught:
+            wanted_bytes({WARM_ENV: bad})
+        assert WARM_ENV in str(caught.value)
+
+
+def test_the_memory_is_written_while_held_and_all_given_back():
+    process = psutil.Process()
+    seen: list[int] = []
+
+    def available() -> int:  # called before each chunk: what the process holds so far
+        seen.append(process.memory_info().rss)
+        return 1 << 50
+
+    before = process.memory_info().rss
+    done = warm_memory(3 * CHUNK_BYTES, keep_free=0, available=available)
+    assert done.bytes == 3 * CHUNK_BYTES and done.stopped is None and done.seconds > 0
+    # resident, not only mapped: two chunks were written before the third was asked for
+    assert seen[-1] - seen[0] >= 2 * CHUNK_BYTES * 0.9
+    assert process.memory_info().rss - before < CHUNK_BYTES / 2  # all given back
+
+
+def test_it_stops_at_the_floor_of_free_memory():
+    free = [10 * CHUNK_BYTES]
+
+    def available() -> int:
+        free[0] -= CHUNK_BYTES // 2  # others take memory too
+        return free[0]
+
+    done = warm_memory(100 * CHUNK_BYTES, keep_free=6 * CHUNK_BYTES, available=available)
+    # (in chunks) available 9.5, 9, ... 7 before the 1st to the 6th: each leaves >= 6 free;
+    # before the 7th, 6.5 would leave 5.5
+    assert done.bytes == 6 * CHUNK_BYTES
+    assert done.stopped is not None and "must stay free" in done.stopped
+
+
+def test_a_move_stops_it_at_once():
+    stop = threading.Event()
+    stop.set()
+    done = warm_memory(100 * CHUNK_BYTES, keep_free=0, stop=stop)
+    assert done.bytes == 0 and done.stopped == "stopped: a move began"
+    warmer = MemoryWarmer(64 << 20, "agent 9")
+    warmer.start()
+    warmer.halt(timeout=30)
+    assert warmer.result is not None and warmer.result.bytes <= 64 << 20
