@@ -1058,13 +1058,6 @@ def _when_done(work: dist.Work, callback: Callable[[], None]) -> None:
 
         threading.Thread(target=wait, name="xmig-work", daemon=True).start()
         return
-    if future.done():
-        # NCCL completes its futures at the launch. Called back here, the op's issue skips
-        # the future's own inline call, which lets go of the interpreter twice (any other
-        # thread that wants it runs first) and switches to streams of the future's own: with
-        # a profiler on an H100 host, 0.7 of a broadcast's 0.9 ms issue
-        callback()
-        return
     future.add_done_callback(lambda _f: callback())
 
 
