@@ -76,6 +76,12 @@ def main() -> None:
         "buffer broadcast at each forward, which the GPU waits for while idle)",
     )
     parser.add_argument(
+        "--split-issue",
+        action="store_true",
+        help="time the parts of the proxy's issue of each op (its own functions, each wrapped "
+        "in a wall-clock timer: unlike cProfile, nothing else slows): issue_split_us",
+    )
+    parser.add_argument(
         "--stacks-after",
         type=float,
         default=900.0,
@@ -166,6 +172,7 @@ def main() -> None:
 
         boundary_profile = cProfile.Profile()
     issue_times = time_issues(session.proxy)
+    issue_split = split_issues(session.proxy) if args.split_issue else None
     issue_profiles = (profile_issues(session.proxy, args.profile_op) if args.profile_issue
                       else None)  # fmt: skip
 
@@ -189,6 +196,8 @@ def main() -> None:
             counted.append(proxy_counters())
         if len(boundaries) == args.warmup:
             issue_times.on = True
+            if issue_split is not None:
+                issue_split.on = True
         if issue_profiles is not None and len(boundaries) == args.warmup:
             issue_profiles.on = True
         if boundary_profile is not None and len(boundaries) >= args.warmup:
@@ -258,6 +267,9 @@ def main() -> None:
             "issue_us_by_op": {
                 op: seconds / count * 1e6 for op, (count, seconds) in issue_times.by_op.items()
             },  # fmt: skip
+            # (--split-issue) µs an op of each timed part of the issue, by kind of op; parts
+            # nest (_launch holds _when_done), and "issue" is the whole
+            "issue_split_us": issue_split.per_op() if issue_split is not None else None,
             # per point: the median of the CPU's and of the GPU's time since the step began
             # (ms); the GPU later than the CPU by their difference: the CPU that far ahead
             "phases": {
@@ -343,6 +355,75 @@ class IssueTimes:
                 self.by_op[op] = (count + 1, seconds + time.perf_counter() - started)
 
         return timed
+
+
+class IssueSplit:
+    """Wall time of named parts of the proxy's issue, by the kind of op being issued."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.on = False
+        self.current = threading.local()
+        self.counts: dict[str, int] = {}
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    def around_issue(self, issue):  # noqa: ANN001, ANN201 - the proxy's own ``_issue``
+        def timed(op, op_args):  # noqa: ANN001, ANN202
+            if not self.on:
+                return issue(op, op_args)
+            self.current.op = op
+            started = time.perf_counter()
+            try:
+                return issue(op, op_args)
+            finally:
+                self._add(op, "issue", time.perf_counter() - started)
+                self.counts[op] = self.counts.get(op, 0) + 1
+                self.current.op = None
+
+        return timed
+
+    def around(self, part: str, call):  # noqa: ANN001, ANN201
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            op = getattr(self.current, "op", None)
+            if op is None:
+                return call(*a, **k)
+            started = time.perf_counter()
+            try:
+                return call(*a, **k)
+            finally:
+                self._add(op, part, time.perf_counter() - started)
+
+        return timed
+
+    def _add(self, op: str, part: str, seconds: float) -> None:
+        parts = self.seconds.setdefault(op, {})
+        parts[part] = parts.get(part, 0.0) + seconds
+
+    def per_op(self) -> dict[str, dict[str, float]]:
+        return {op: {part: seconds / self.counts[op] * 1e6 for part, seconds in parts.items()}
+                for op, parts in self.seconds.items() if self.counts.get(op)}  # fmt: skip
+
+
+def split_issues(proxy) -> IssueSplit:  # noqa: ANN001 - xmig's ProxyProcessGroup
+    """Time the parts of ``proxy``'s issue: its methods and the module's functions it calls
+    (wrapped where the issue looks them up), from when the returned object is on."""
+    import xmig.proxy.process_group as module
+    from xmig.proxy.gate import StreamGate
+
+    split = IssueSplit()
+    for name in ("signature_of", "_create_work_from_future", "_when_done", "_end_of",
+                 "_as_async", "_on_stream", "tensors_in"):  # fmt: skip
+        setattr(module, name, split.around(name, getattr(module, name)))
+    for name in ("_log_inputs", "_track", "_launch", "_gate_of"):
+        setattr(proxy, name, split.around(name, getattr(proxy, name)))
+    for name in ("before_op", "on_issue"):
+        if getattr(proxy, name) is not None:
+            setattr(proxy, name, split.around(name, getattr(proxy, name)))
+    proxy.sequence.take = split.around("sequence.take", proxy.sequence.take)
+    StreamGate.hold = split.around("gate.hold", StreamGate.hold)
+    proxy._issue = split.around_issue(proxy._issue)
+    return split
 
 
 def time_issues(proxy) -> IssueTimes:  # noqa: ANN001 - xmig's ProxyProcessGroup

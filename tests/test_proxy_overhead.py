@@ -1,0 +1,27 @@
+"""``bench/proxy_overhead.py`` on the CPU: a short paired run through ``xmig run`` writes its
+ratio, the proxy's issue by kind of op, and with ``--split-issue`` the issue's parts."""
+
+import json
+
+from helpers import REPO, run
+
+SCRIPT = REPO / "bench" / "proxy_overhead.py"
+
+
+def test_the_issue_is_split_into_its_parts(tmp_path):
+    out = tmp_path / "result.json"
+    result = run(["--nproc-per-node", "2", "--hot-spares", "0", str(SCRIPT), "--steps", "6",
+                  "--warmup", "2", "--out", str(out), "--split-issue", "--preset", "tiny",
+                  "--batch-size", "2"], tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["paired_ratio_median"] > 0
+    split = data["issue_split_us"]
+    # DDP's forward broadcasts its buffers, its backward all-reduces the gradients' buckets
+    assert {"broadcast", "allreduce"} <= set(split)
+    for op, parts in split.items():
+        assert parts["issue"] == max(parts.values()), (op, parts)  # the whole holds each part
+        assert parts["_launch"] >= parts["_when_done"] > 0, (op, parts)
+        assert parts["signature_of"] > 0 and parts["_log_inputs"] > 0, (op, parts)
+        # the same ops as the unsplit timer's, within its own overhead
+        assert abs(parts["issue"] - data["issue_us_by_op"][op]) < 0.5 * parts["issue"], op
