@@ -123,20 +123,6 @@ def warm_memory(nbytes: int, *, keep_free: int | None = None,
     return Warmed(written, time.monotonic() - started, stopped)
 
 
-def first_touch_rates(nbytes: int = 256 << 20) -> tuple[float, float]:
-    """GB/s of writing ``nbytes`` of fresh memory, and of the same amount again once given
-    back (the kernel hands the same pages out again): far apart where the machine backs its
-    memory on first use."""
-    libc = _libc()
-    rates = []
-    for _ in range(2):
-        started = time.monotonic()
-        address = _map(libc, nbytes)
-        rates.append(nbytes / max(time.monotonic() - started, 1e-9) / 1e9)
-        libc.munmap(address, nbytes)
-    return rates[0], rates[1]
-
-
 class MemoryWarmer:
     """The background warm-up an agent runs at its start (``XMIG_WARM_MEMORY_GB``)."""
 
