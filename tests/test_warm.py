@@ -7,7 +7,14 @@ import threading
 import psutil
 import pytest
 
-from xmig.migrate.warm import CHUNK_BYTES, WARM_ENV, MemoryWarmer, wanted_bytes, warm_memory
+from xmig.migrate.warm import (
+    CHUNK_BYTES,
+    WARM_ENV,
+    MemoryWarmer,
+    cgroup_headroom,
+    wanted_bytes,
+    warm_memory,
+)
 
 
 def test_the_size_asked_for_is_read_in_gb_and_bad_values_say_what_is_wrong():
@@ -60,3 +67,36 @@ def test_a_move_stops_it_at_once():
     warmer.start()
     warmer.halt(timeout=30)
     assert warmer.result is not None and warmer.result.bytes <= 64 << 20
+
+
+def _write(folder, **files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_a_memory_cgroups_limit_bounds_what_may_be_taken(tmp_path):
+    """The node's workers share the agent's cgroup: writing past its limit would get one of
+    them killed, so the least room left over the cgroup and its parents counts."""
+    root = tmp_path / "fs"
+    cgroup = tmp_path / "cgroup"
+    # cgroup v2: the job's cgroup has no limit of its own, its parent one with 3 GB left
+    cgroup.write_text("0::/jobs/job1\n")
+    _write(root, memory_max="max", memory_current="1")
+    _write(root / "jobs", memory_max=str(8 << 30), memory_current=str(5 << 30))
+    _write(root / "jobs" / "job1", memory_max="max", memory_current=str(4 << 30))
+    assert cgroup_headroom(cgroup, root) == 3 << 30
+    # over its limit already: nothing
+    _write(root / "jobs", memory_current=str(9 << 30))
+    assert cgroup_headroom(cgroup, root) == 0
+    # no limit anywhere
+    _write(root / "jobs", memory_max="max")
+    assert cgroup_headroom(cgroup, root) is None
+    # cgroup v1, its path hidden by a cgroup namespace: the memory controller's root is ours
+    cgroup.write_text("4:memory:/not/visible\n3:cpu:/x\n")
+    _write(root / "memory", memory_limit_in_bytes=str(2 << 30),
+           memory_usage_in_bytes=str(1 << 30))  # fmt: skip
+    assert cgroup_headroom(cgroup, root) == 1 << 30
+    _write(root / "memory", memory_limit_in_bytes="9223372036854771712")  # v1's "none"
+    assert cgroup_headroom(cgroup, root) is None
+    assert cgroup_headroom(tmp_path / "missing", root) is None

@@ -9,8 +9,9 @@ machine the first moves are slow, and each later move is faster as the machine w
 
 An agent started with ``XMIG_WARM_MEMORY_GB`` writes that much memory once, in the
 background, and gives it back. The kernel then hands those pages to the next allocations,
-so the machine is backed before a move needs it. The agent keeps a floor of memory free,
-never more than ``keep_free`` below it, and it stops at once when a move begins."""
+so the machine is backed before a move needs it. It keeps a floor of memory free, of the
+machine's and of its memory cgroup's limit (where it has one: the cgroup's processes, the
+node's workers among them, would be killed beyond it), and it stops when a move begins."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -32,6 +34,8 @@ CHUNK_BYTES = 256 << 20
 """Memory written, and checked against the floor and the stop, at a time."""
 MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the range in, writable, without writing it
 MAP_FAILED = ctypes.c_void_p(-1).value
+NO_LIMIT = 1 << 60
+"""A memory cgroup's limit at or above this is none (cgroup v1 writes 2^63 less a page)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,63 @@ def default_floor(total: int | None = None) -> int:
     return max(total // 10, 2 << 30)
 
 
+def _read_bytes(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return NO_LIMIT
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def cgroup_headroom(cgroup_file: Path = Path("/proc/self/cgroup"),
+                    root: Path = Path("/sys/fs/cgroup")) -> int | None:  # fmt: skip
+    """Bytes this process's memory cgroup may still take before its limit, the least over
+    its cgroup and their parents (cgroup v2, or v1's memory controller); None where no
+    limit applies or none can be read."""
+    try:
+        lines = cgroup_file.read_text().splitlines()
+    except OSError:
+        return None
+    folders: list[tuple[Path, str, str]] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, limit, usage = root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit, usage = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        here = base / path.strip("/")
+        if not here.is_dir():  # a cgroup namespace hides the path: its root is ours
+            here = base
+        while True:
+            folders.append((here, limit, usage))
+            if here == base:
+                break
+            here = here.parent
+    least: int | None = None
+    for folder, limit_name, usage_name in folders:
+        limit, usage = _read_bytes(folder / limit_name), _read_bytes(folder / usage_name)
+        if limit is None or usage is None or limit >= NO_LIMIT:
+            continue
+        left = max(limit - usage, 0)
+        least = left if least is None else min(least, left)
+    return least
+
+
+def available_bytes() -> int:
+    """Memory this process may still take: the machine's available memory, or less where
+    its memory cgroup's limit is nearer."""
+    machine = psutil.virtual_memory().available
+    cgroup = cgroup_headroom()
+    return machine if cgroup is None else min(machine, cgroup)
+
+
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -87,8 +148,13 @@ def _map(libc: ctypes.CDLL, size: int) -> int:
     if address in (None, MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
     # the kernel writes the pages (zeroes them) without the interpreter; a kernel older
-    # than 5.14 refuses the advice, and memset writes them instead
+    # than 5.14 does not know the advice, and memset writes them instead. Any other refusal
+    # (no memory left) ends the warm-up: memset would meet it as the OOM killer
     if libc.madvise(address, size, MADV_POPULATE_WRITE) != 0:
+        errno = ctypes.get_errno()
+        if errno != 22:  # EINVAL
+            libc.munmap(address, size)
+            raise OSError(errno, f"writing {size} bytes of fresh memory: {os.strerror(errno)}")
         libc.memset(address, 1, size)
     return address
 
@@ -98,9 +164,9 @@ def warm_memory(nbytes: int, *, keep_free: int | None = None,
                 available: Callable[[], int] | None = None) -> Warmed:  # fmt: skip
     """Write ``nbytes`` of fresh memory, then give it all back. It stops short when less
     than ``keep_free`` (``default_floor()``) would be left, or once ``stop`` is set.
-    ``available``: a callable giving the bytes available (tests)."""
+    ``available``: a callable giving the bytes available (``available_bytes``)."""
     keep_free = default_floor() if keep_free is None else keep_free
-    free_now = available or (lambda: psutil.virtual_memory().available)
+    free_now = available or available_bytes
     libc = _libc()
     held: list[tuple[int, int]] = []
     written = 0
