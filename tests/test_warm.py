@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import psutil
 import pytest
@@ -63,10 +64,19 @@ def test_a_move_stops_it_at_once():
     stop.set()
     done = warm_memory(100 * CHUNK_BYTES, keep_free=0, stop=stop)
     assert done.bytes == 0 and done.stopped == "stopped: a move began"
-    warmer = MemoryWarmer(64 << 20, "agent 9")
+
+    def slowly() -> int:  # 1 MB each 10 ms: 1,000 MB would take 10 s
+        time.sleep(0.01)
+        return 1 << 50
+
+    warmer = MemoryWarmer(1000 << 20, "agent 9", keep_free=0, available=slowly, chunk=1 << 20)
     warmer.start()
+    time.sleep(0.2)
+    halted = time.monotonic()
     warmer.halt(timeout=30)
-    assert warmer.result is not None and warmer.result.bytes <= 64 << 20
+    assert time.monotonic() - halted < 2  # the next chunk's check, then the memory back
+    assert warmer.result is not None and warmer.result.stopped == "stopped: a move began"
+    assert 0 < warmer.result.bytes < 500 << 20
 
 
 def _write(folder, **files):

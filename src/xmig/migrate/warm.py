@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -161,7 +162,8 @@ def _map(libc: ctypes.CDLL, size: int) -> int:
 
 def warm_memory(nbytes: int, *, keep_free: int | None = None,
                 stop: threading.Event | None = None,
-                available: Callable[[], int] | None = None) -> Warmed:  # fmt: skip
+                available: Callable[[], int] | None = None,
+                chunk: int = CHUNK_BYTES) -> Warmed:  # fmt: skip
     """Write ``nbytes`` of fresh memory, then give it all back. It stops short when less
     than ``keep_free`` (``default_floor()``) would be left, or once ``stop`` is set.
     ``available``: a callable giving the bytes available (``available_bytes``)."""
@@ -177,7 +179,7 @@ def warm_memory(nbytes: int, *, keep_free: int | None = None,
             if stop is not None and stop.is_set():
                 stopped = "stopped: a move began"
                 break
-            size = min(CHUNK_BYTES, nbytes - written)
+            size = min(chunk, nbytes - written)
             if free_now() - size < keep_free:
                 stopped = f"stopped: {keep_free / 1e9:.1f} GB must stay free"
                 break
@@ -192,9 +194,10 @@ def warm_memory(nbytes: int, *, keep_free: int | None = None,
 class MemoryWarmer:
     """The background warm-up an agent runs at its start (``XMIG_WARM_MEMORY_GB``)."""
 
-    def __init__(self, nbytes: int, name: str) -> None:
+    def __init__(self, nbytes: int, name: str, **options: Any) -> None:
         self.nbytes = nbytes
         self.name = name
+        self.options = options  # warm_memory's (tests)
         self.stop = threading.Event()
         self.result: Warmed | None = None
         self._thread = threading.Thread(target=self._run, name="xmig-warm", daemon=True)
@@ -205,7 +208,7 @@ class MemoryWarmer:
 
     def _run(self) -> None:
         try:
-            self.result = warm_memory(self.nbytes, stop=self.stop)
+            self.result = warm_memory(self.nbytes, stop=self.stop, **self.options)
         except OSError as exc:  # a warm-up only makes moves faster: it never stops a node
             log.warning("%s: warming this host's memory failed: %s", self.name, exc)
             return
