@@ -260,3 +260,38 @@ def test_a_workers_step_notices_reach_its_agent_in_order_with_its_other_messages
     expected += [("injecting", 50), ("step", 50)]
     assert heard == expected
     assert link.step == 50
+
+
+@pytest.mark.parametrize("kind", ["kill", "raise"])
+def test_a_report_read_after_an_announced_kill_leaves_the_kill_to_the_death(kind):
+    """A rank reports a failed collective, then announces a fault and carries it out, before
+    the agent's main loop reads the report: the death (a kill) still says it was injected,
+    or the report that follows the announcement is the fault (a raise)."""
+    from types import SimpleNamespace
+
+    from xmig.agent.agent import Agent
+    from xmig.protocol import CommError, Fault, Injecting, encode
+
+    agent = Agent(("127.0.0.1", 1), "t" * 64, node_rank=0)
+    sent = []
+    agent._send = sent.append
+    worker = Worker(rank=2, local_rank=2, proc=AdoptedProcess(4242), pidfd=-1, attempt=0,
+                    state="running")  # fmt: skip
+    agent.workers[2] = worker
+    peer = SimpleNamespace(info={"rank": 2, "pid": 4242})
+    fault = {"kind": kind, "rank": 2, "step": 2, "at": "park"}
+    before = CommError(error="peer gone", step=2, generation=0, t=1.0)
+    agent._on_worker_message(peer, encode(before))
+    agent._on_worker_message(peer, encode(Injecting(fault=fault, step=2, t=2.0)))
+    if kind == "raise":
+        agent._on_worker_message(peer, encode(CommError(error="injected", step=2,
+                                                        generation=0, t=3.0)))  # fmt: skip
+    while not agent._events.empty():
+        agent._trouble(agent._events.get_nowait())
+    if kind == "kill":
+        agent._report_fault(worker, "killed", "killed by SIGKILL", 4.0)
+    records = [m.record for m in sent if isinstance(m, Fault)]
+    assert [(r.kind, r.injected) for r in records][0] == ("comm_error", None)
+    last = records[-1]
+    assert last.injected == fault and last.t_fault == 2.0
+    assert last.fault_time_source == "injection"

@@ -165,6 +165,7 @@ class WorkerTrouble:
     wall: float
     step: int | None
     generation: int | None
+    announced: dict[str, Any] | None = None  # the injected fault this report is (a raise)
 
 
 @dataclass(frozen=True)
@@ -370,8 +371,15 @@ class Agent:
                         wall: float) -> None:  # fmt: skip
         kind = "comm_error" if isinstance(msg, CommError) else "error"
         generation = msg.generation if isinstance(msg, CommError) else None
+        # taken here, in the order the rank said things: a report the main loop reads only
+        # after the rank announced a kill must not take that kill's announcement from its death
+        announced = worker.announced
+        if announced is not None and announced["fault"].get("kind") == "raise":
+            worker.announced = None
+        else:
+            announced = None
         self._post(WorkerTrouble(worker.rank, worker.pid, kind, msg.error, wall, msg.step,
-                                 generation))  # fmt: skip
+                                 generation, announced))  # fmt: skip
 
     def _worker_ready_for_dump(self, worker: Worker, peer: Peer, msg: ReadyForDump,
                                wall: float) -> None:  # fmt: skip
@@ -689,7 +697,7 @@ class Agent:
                 return
             worker.state = "faulted"
         self._report_fault(worker, event.kind, event.detail, event.wall, step=event.step,
-                           generation=event.generation)  # fmt: skip
+                           generation=event.generation, announced=event.announced)  # fmt: skip
 
     def _relay(self, order: Message) -> None:
         """A coordinator's order for every worker of this node that can hear it."""
@@ -1069,8 +1077,12 @@ class Agent:
         detected: float,
         step: int | None = None,
         generation: int | None = None,
+        announced: dict[str, Any] | None = None,
     ) -> None:
-        announced, worker.announced = worker.announced, None
+        """To the coordinator: the worker's fault. A report it sent carries the announcement
+        it followed (``announced``); a death or a hang takes the one the worker left."""
+        if announced is None and kind not in ("error", "comm_error"):
+            announced, worker.announced = worker.announced, None
         if announced is not None:
             t_fault, source = announced["t"], "injection"
         elif kind == "hang" and worker.last_beat_wall is not None:
