@@ -1,6 +1,7 @@
 """The coordinator's state machines, without sockets, threads or processes: each test feeds
 events to a ``Job`` (with the wall clock as an argument) and checks the orders and states."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -555,6 +556,20 @@ def test_a_second_fault_during_recovery_stops_the_job():
     assert job.reason == "a second fault hit during recovery"
     assert sent(orders, Abort) == [("all", Abort(reason="a second fault hit during recovery"))]
     assert [f.rank for f in job.faults] == [1, 2]
+
+
+@pytest.mark.parametrize("during", ["recovery", "migration"])
+def test_an_injected_fault_that_hits_a_recovery_or_a_move_has_fired(during):
+    """Whatever state a fault hits, an injected one is counted as fired: a replacement
+    started later does not carry it out again, and the run's summary does not call it
+    never fired."""
+    job = planned_job(nnodes=3) if during == "recovery" else migrating_job()[0]
+    spec = {"kind": "kill", "rank": 0, "step": 3, "at": "park"}
+    fault = kill(0, t=T0 + 0.3)
+    fault = Fault(record=dataclasses.replace(fault.record, injected=spec))
+    job.on(fault, T0 + 0.3)
+    assert job.fired == {0: [spec]}
+    assert [f.injected for f in job.faults][-1] == spec
 
 
 def test_a_recovery_deadline_stops_the_job_naming_who_is_late():

@@ -580,6 +580,14 @@ class Job:
         return orders
 
     # ---- faults ------------------------------------------------------------------------------
+    def _count(self, record: FaultRecord) -> None:
+        """Keep ``record`` among the run's faults; an injected one has fired, whatever the
+        state it hit (a completed run whose injected fault is not counted fails as a test
+        that tested nothing)."""
+        self.faults.append(record)
+        if record.injected:
+            self.fired.setdefault(int(record.injected["rank"]), []).append(record.injected)
+
     def _fault(self, msg: Fault, now: float) -> list[Order]:
         record = msg.record
         if record.pid in self.retiring:
@@ -603,7 +611,7 @@ class Job:
             widened = self._widen(record, now)
             if widened is not None:
                 return [Note("fault", dataclasses.asdict(record)), *widened]
-        self.faults.append(dataclasses.replace(record, secondary=self.state not in LIVE))
+        self._count(dataclasses.replace(record, secondary=self.state not in LIVE))
         if self.state is S.CHECKPOINTING:
             assert self.checkpoint is not None
             return [Note("fault", dataclasses.asdict(record)),
@@ -664,9 +672,7 @@ class Job:
         new = lost - set(recovery.replaced)
         if not new or not new <= set(recovery.survivors):
             return None  # (each widening replaces more ranks: they cannot go on forever)
-        self.faults.append(dataclasses.replace(record, secondary=False))
-        if record.injected:
-            self.fired.setdefault(int(record.injected["rank"]), []).append(record.injected)
+        self._count(dataclasses.replace(record, secondary=False))
         for rank in recovery.replaced:
             member = self.members.get(rank)
             if member is not None and member.attempt == self.ordered_attempt.get(rank):
@@ -701,7 +707,7 @@ class Job:
         if self.state is S.MIGRATING and (record is not None or moving):
             assert self.migration is not None
             if record is not None:
-                self.faults.append(record)
+                self._count(record)
             lost = record.lost_ranks if record is not None else []
             return [*orders, *self._follow(self.migration.fail(
                 f"the agent of node {node} was lost", now), now, lost=lost)]  # fmt: skip
@@ -709,7 +715,7 @@ class Job:
             return [*orders, *self._fault(Fault(record=record), now)]  # a grow's new node
         if self.state is S.RESIZING and record is not None:
             assert self.resizing is not None
-            self.faults.append(record)
+            self._count(record)
             return [*orders, *self._follow(self.resizing.fail(
                 f"the agent of node {node} was lost", now), now,
                 lost=record.lost_ranks)]  # fmt: skip
@@ -717,14 +723,14 @@ class Job:
             return orders
         if self.state is S.CHECKPOINTING:
             assert self.checkpoint is not None
-            self.faults.append(record)
+            self._count(record)
             return [*orders, *self._follow(self.checkpoint.lost(record.lost_ranks, now), now)]
         if self.state is S.RECOVERING:
             assert self.recovery is not None
             widened = self._widen(record, now)
             if widened is not None:
                 return [*orders, *widened]
-            self.faults.append(record)
+            self._count(record)
             self.recovery.lost.update(record.lost_ranks)
             return [*orders, *self._follow(self.recovery.fail(
                 f"the agent of node {node} was lost during recovery", now), now)]  # fmt: skip
@@ -757,9 +763,7 @@ class Job:
             for i, r in enumerate(deaths + errors)
         ]
         for record in ordered:
-            self.faults.append(record)
-            if record.injected:
-                self.fired.setdefault(int(record.injected["rank"]), []).append(record.injected)
+            self._count(record)
         self.primary = ordered[0]
         orders: list[Order] = [Say(f"fault: {summary.describe(ordered[0])}")]
         orders += [Say(f"  also: {summary.describe(r)}") for r in ordered[1:] if not r.secondary]
