@@ -268,7 +268,8 @@ def main() -> None:
                 op: seconds / count * 1e6 for op, (count, seconds) in issue_times.by_op.items()
             },  # fmt: skip
             # (--split-issue) µs an op of each timed part of the issue, by kind of op; parts
-            # nest (_launch holds _when_done), and "issue" is the whole
+            # nest (_enqueue holds _launch, which holds _when_done), "issue" is the whole
+            # and "rest" what ISSUE_PARTS leave of it
             "issue_split_us": issue_split.per_op() if issue_split is not None else None,
             # per point: the median of the CPU's and of the GPU's time since the step began
             # (ms); the GPU later than the CPU by their difference: the CPU that far ahead
@@ -358,11 +359,13 @@ class IssueTimes:
 
 
 class IssueSplit:
-    """Wall time of named parts of the proxy's issue, by the kind of op being issued."""
+    """Wall time of named parts of the proxy's issue, by the kind of op being issued; "rest":
+    the issue less its ``top`` parts (what no timer covers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, top: tuple[str, ...] = ()) -> None:
         import threading
 
+        self.top = top
         self.on = False
         self.current = threading.local()
         self.counts: dict[str, int] = {}
@@ -401,8 +404,21 @@ class IssueSplit:
         parts[part] = parts.get(part, 0.0) + seconds
 
     def per_op(self) -> dict[str, dict[str, float]]:
-        return {op: {part: seconds / self.counts[op] * 1e6 for part, seconds in parts.items()}
-                for op, parts in self.seconds.items() if self.counts.get(op)}  # fmt: skip
+        split: dict[str, dict[str, float]] = {}
+        for op, parts in self.seconds.items():
+            if not self.counts.get(op):
+                continue
+            us = {part: seconds / self.counts[op] * 1e6 for part, seconds in parts.items()}
+            if self.top:
+                us["rest"] = us["issue"] - sum(us.get(part, 0.0) for part in self.top)
+            split[op] = us
+        return split
+
+
+# the parts ``_issue_op`` is made of, in order: what they leave of the issue is "rest"
+ISSUE_PARTS = ("_new_record", "_before_op", "_check_expected", "_apply_override", "on_issue",
+               "_track", "_serve_locally", "_log_inputs", "_mark_logged", "_enqueue",
+               "_complete_behind_gate", "_create_work_from_future")  # fmt: skip
 
 
 def split_issues(proxy) -> IssueSplit:  # noqa: ANN001 - xmig's ProxyProcessGroup
@@ -411,11 +427,13 @@ def split_issues(proxy) -> IssueSplit:  # noqa: ANN001 - xmig's ProxyProcessGrou
     import xmig.proxy.process_group as module
     from xmig.proxy.gate import StreamGate
 
-    split = IssueSplit()
+    split = IssueSplit(top=ISSUE_PARTS)
     for name in ("signature_of", "_create_work_from_future", "_when_done", "_end_of",
-                 "_as_async", "_on_stream", "tensors_in"):  # fmt: skip
+                 "_as_async", "_on_stream"):  # fmt: skip
         setattr(module, name, split.around(name, getattr(module, name)))
-    for name in ("_log_inputs", "_track", "_launch", "_gate_of"):
+    for name in ("_new_record", "_before_op", "_check_expected", "_apply_override", "_track",
+                 "_serve_locally", "_log_inputs", "_mark_logged", "_enqueue",
+                 "_complete_behind_gate", "_launch", "_gate_of"):  # fmt: skip
         setattr(proxy, name, split.around(name, getattr(proxy, name)))
     for name in ("before_op", "on_issue"):
         if getattr(proxy, name) is not None:

@@ -228,6 +228,7 @@ class OpRecord:
     output_versions: list[int] | None = None
     group: str = "world"  # the process group it was issued on
     seq: int = 0  # its place in the order ops are issued in across every group of the process
+    in_sequence: int = 0  # its number among its step's ops across the groups (collective=K)
     # its future completed at issue behind a gate on the GPU (``xmig.proxy.gate``): the
     # gate, and the number that opens it once the op has ended well
     gate: Any = None

@@ -297,50 +297,94 @@ class ProxyProcessGroup(dist.ProcessGroup):
             self.issued += 1
 
     def _issue_op(self, op: str, args: tuple[Any, ...]) -> dist.Work:
-        _as_async(args)
-        index = self.ops_in_step
-        self.ops_in_step += 1
-        seq, in_step = self.sequence.take(self.step)
-        device = next((t.device for t in tensors_in(args) if t.is_cuda), None)
-        # a CUDA-aware future: whoever waits on it also waits for the GPU work behind it
-        future = torch.futures.Future(devices=[device]) if device else torch.futures.Future()
-        record = OpRecord(self.step, index, op, args, signature_of(op, args), future,
-                          group=self.group, seq=seq)  # fmt: skip
-        record.device = device
-        injected: BaseException | None = None
-        if self.before_op is not None:
-            try:
-                self.before_op(self.step, in_step, op)
-            except Exception as exc:  # an injected communication error: the proxy absorbs it
-                if getattr(exc, "after_launch", False):
-                    record.late_error = str(exc)  # launched, and failed once it has ended
-                else:
-                    injected = exc
-        expected = self._expected.get(self.step) if self.step is not None else None
-        if expected is not None and index < len(expected) and expected[index] != record.signature:
-            why = (f"op {index} of step {self.step} is {record.signature}, but the survivors "
-                   f"logged {expected[index]}")  # fmt: skip
-            if self.on_mismatch is not None:
-                self.on_mismatch(why)
-            raise ReplayMismatch(f"{why}; refusing to issue it")
-        override = self._overrides.pop((self.step, index), None) if self.step is not None else None
-        if override is not None:
-            with torch.no_grad():
-                tensors_in(args[0])[0].copy_(override)
+        # in named parts, each a method: ``bench/proxy_overhead.py --split-issue`` times them
+        record = self._new_record(op, args)
+        injected = self._before_op(record)
+        self._check_expected(record)
+        self._apply_override(record)
         if self.on_issue is not None:
             self.on_issue(record)
         self._track(record)
         if self.mode == "local" or (self.local_filter is not None and self.local_filter(record)):
             self._serve_locally(record)
-            return _create_work_from_future(future)
+            return _create_work_from_future(record.future)
         if self.keep_log:
             started = time.perf_counter()
             self._log_inputs(record)
             self.log_copy_seconds += time.perf_counter() - started
             self.log_copy_bytes += sum(t.numel() * t.element_size() for t in record.inputs or [])
-        if device is not None and (self.gate or record.log_stream is not None):
+        self._mark_logged(record)
+        trouble = self._enqueue(record, injected)
+        if trouble is not None and self.on_trouble is not None:
+            self.on_trouble(trouble)
+        if record.gate_number is not None:
+            self._complete_behind_gate(record)
+        return _create_work_from_future(record.future)
+
+    def _new_record(self, op: str, args: tuple[Any, ...]) -> OpRecord:
+        """The op's record, numbered in its step and in the process's sequence, with a future
+        for the framework (CUDA-aware on a GPU: whoever waits on it also waits for the GPU
+        work behind it)."""
+        _as_async(args)
+        index = self.ops_in_step
+        self.ops_in_step += 1
+        seq, in_step = self.sequence.take(self.step)
+        device = next((t.device for t in tensors_in(args) if t.is_cuda), None)
+        future = torch.futures.Future(devices=[device]) if device else torch.futures.Future()
+        record = OpRecord(self.step, index, op, args, signature_of(op, args), future,
+                          group=self.group, seq=seq)  # fmt: skip
+        record.device = device
+        record.in_sequence = in_step
+        return record
+
+    def _before_op(self, record: OpRecord) -> BaseException | None:
+        """Run the fault injector's hook; the communication error it raised for this op
+        (absorbed: the op fails), or None. One it raises to fail after the launch is kept
+        on the record."""
+        if self.before_op is None:
+            return None
+        try:
+            self.before_op(self.step, record.in_sequence, record.op)
+        except Exception as exc:  # an injected communication error: the proxy absorbs it
+            if getattr(exc, "after_launch", False):
+                record.late_error = str(exc)  # launched, and failed once it has ended
+                return None
+            return exc
+        return None
+
+    def _check_expected(self, record: OpRecord) -> None:
+        """A replacement's op must be the one its survivors logged at that place: refused
+        (``ReplayMismatch``) otherwise."""
+        expected = self._expected.get(self.step) if self.step is not None else None
+        index = record.index
+        if expected is None or index >= len(expected) or expected[index] == record.signature:
+            return
+        why = (f"op {index} of step {self.step} is {record.signature}, but the survivors "
+               f"logged {expected[index]}")  # fmt: skip
+        if self.on_mismatch is not None:
+            self.on_mismatch(why)
+        raise ReplayMismatch(f"{why}; refusing to issue it")
+
+    def _apply_override(self, record: OpRecord) -> None:
+        """A broadcast whose payload a recovery set: its input is that payload."""
+        if self.step is None or not self._overrides:
+            return
+        override = self._overrides.pop((self.step, record.index), None)
+        if override is not None:
+            with torch.no_grad():
+                tensors_in(record.args[0])[0].copy_(override)
+
+    def _mark_logged(self, record: OpRecord) -> None:
+        """On a GPU, with gates or copies on the log's stream: an event once the op's inputs
+        are logged."""
+        if record.device is not None and (self.gate or record.log_stream is not None):
             record.logged_event = torch.cuda.Event()
             record.logged_event.record(record.log_stream)
+
+    def _enqueue(self, record: OpRecord, injected: BaseException | None) -> str | None:
+        """Into the log and the waiter's queue; launched at once when every op before it is
+        (and held behind its device's gate, gates on). The trouble to report, if this op
+        halts the proxy (an injected error)."""
         trouble = None
         with self._cv:
             self.log.append(record)
@@ -356,19 +400,18 @@ class ProxyProcessGroup(dist.ProcessGroup):
                     self.trouble = trouble
             elif not self.halted and all(r.state == "launched" for r in earlier):
                 self._launch(record)
-                if record.state == "launched" and self.gating and op in GATED_OPS:
-                    gate = self._gate_of(device)
+                if record.state == "launched" and self.gating and record.op in GATED_OPS:
+                    gate = self._gate_of(record.device)
                     if gate is not None:
                         record.gate, record.gate_number = gate, gate.hold(_end_of(record))
             self._cv.notify_all()
-        if trouble is not None and self.on_trouble is not None:
-            self.on_trouble(trouble)
-        if record.gate_number is not None:
-            # the result's event is recorded on the gate stream: whoever waits for the
-            # future waits for the gate to open
-            with _on_stream(device, record.gate):
-                future.set_result(record.outputs_of(args))
-        return _create_work_from_future(future)
+        return trouble
+
+    def _complete_behind_gate(self, record: OpRecord) -> None:
+        """The framework's future done now, its event recorded on the gate's stream: whoever
+        waits for it waits for the gate to open."""
+        with _on_stream(record.device, record.gate):
+            record.future.set_result(record.outputs_of(record.args))
 
     def _gate_of(self, device: Any) -> Any:
         """The gate of ``device`` (made on first use), or None where there can be none."""
