@@ -28,3 +28,19 @@ def test_the_issue_is_split_into_its_parts(tmp_path):
         assert 0 <= parts["rest"] < 0.25 * parts["issue"], (op, parts)
         # the same ops as the unsplit timer's, within its own overhead
         assert abs(parts["issue"] - data["issue_us_by_op"][op]) < 0.5 * parts["issue"], op
+
+
+def test_the_issue_alone_is_timed_against_a_communicator_that_does_nothing():
+    import subprocess
+    import sys
+
+    script = REPO / "bench" / "issue_alone.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "3", "--ops", "2", "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert 0 < result["issue_us_least"] <= result["issue_us_median"]
+    assert result["issue_us_median"] < result["with_wait_us_median"]  # the wait holds the issue
+    refused = subprocess.run([sys.executable, str(script), "--steps", "0"], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "--steps" in refused.stderr
