@@ -366,6 +366,54 @@ def test_the_earliest_death_is_the_cause_and_errors_it_explains_are_secondary():
     assert job.recovery.replaced == [1]
 
 
+def in_group(fault, group, t=None):
+    """``fault`` (a comm_error) as failed in the group of ranks ``group``."""
+    record = dataclasses.replace(fault.record, group=group)
+    if t is not None:
+        record = dataclasses.replace(record, t_fault=t)
+    return Fault(record=record)
+
+
+@pytest.mark.parametrize(("group", "rolls_back"), [([0, 1], True), ([1, 3], False),
+                                                   (None, False)])  # fmt: skip
+def test_an_error_in_a_group_the_death_is_not_in_rolls_the_step_back(group, rolls_back):
+    """Rank 3 dies; rank 1's collective failed too. In a group with rank 3 (or one not
+    known, as before groups were reported) the death explains it. In one without, a replay
+    would keep that group as it is, its failed op never sent again: only a rollback rebuilds
+    every group."""
+    job = running_job(nnodes=4)
+    job.on(in_group(kill(1, kind="comm_error", t=T0), group), T0)
+    job.on(kill(3, t=T0 + 0.01), T0 + 0.01)
+    orders = job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    assert job.state is S.RECOVERING and job.recovery.replaced == [3]
+    error = next(f for f in job.faults if f.rank == 1)
+    if rolls_back:
+        assert "group of ranks [0, 1], which holds none of the replaced" in job.recovery.no_replay
+        assert not error.secondary and any("also: rank 1" in line for line in said(orders))
+    else:
+        assert job.recovery.no_replay is None and error.secondary
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_an_error_during_a_replay_in_a_group_the_replaced_are_not_in_starts_over_rolling_back(
+    planned,
+):
+    """The error comes once the recovery has begun (from the generation before: the ranks
+    have not switched yet). The recovery starts over as a rollback; an error in a group
+    with the replaced rank stays the recovered fault's echo."""
+    job = planned_job(nnodes=3) if planned else recovering_job(nnodes=3)[0]
+    assert job.on(in_group(kill(2, kind="comm_error", generation=0), [1, 2]), T0 + 0.3) == []
+    assert job.generation == 1
+    orders = job.on(in_group(kill(2, kind="comm_error", generation=0), [0, 2]), T0 + 0.3)
+    assert job.generation == 2 and job.recovery.replaced == [1]
+    assert "group of ranks [0, 2]" in job.recovery.no_replay
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1]))]
+    assert any("rolling the step back instead" in line for line in said(orders))
+    # the rollback's own echo of it changes nothing
+    assert job.on(in_group(kill(2, kind="comm_error", generation=1), [0, 2]), T0 + 0.4) == []
+    assert job.generation == 2
+
+
 def test_settling_to_stopping_when_no_recovery_is_allowed():
     job = running_job(max_recoveries=0)
     job.on(kill(1), T0)

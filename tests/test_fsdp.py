@@ -78,6 +78,29 @@ def test_a_communication_error_in_a_collective_is_retried_in_place(
     assert all(len(pids) == 1 for pids in result.summary["worker_pids"].values())
 
 
+def test_a_death_and_a_failed_collective_in_a_group_without_it_roll_the_step_back(
+    tmp_path, tmp_path_factory
+):
+    """Rank 3 dies as step 4 begins while rank 1's first all-gather of the step fails, in
+    the shard group of ranks 0 and 1, which a replay would keep as it is (rank 0 waiting in
+    the all-gather rank 1 never sent): the step is rolled back, every group rebuilt, and the
+    run ends bit-identical, in a bounded time, the survivors in their processes."""
+    expected = reference(tmp_path_factory)
+    faults = ["--inject", "raise:rank=1:step=4:at=collective=0",
+              "--inject", "kill:rank=3:step=4:at=boundary"]  # fmt: skip
+    result = run(job(*faults), tmp_path, timeout=90)
+    assert result.returncode == 0, result.output
+    summary = result.summary
+    assert summary["final_params_sha256"] == expected
+    (recovery,) = summary["recoveries"]
+    assert recovery["mode"] == "rollback" and recovery["ranks"] == [3]
+    assert "group of ranks [0, 1], which holds none of the replaced" in recovery["why_rollback"]
+    assert sorted(recovery["groups"]["rebuilt"]) == sorted([*REPLICATE.values(),
+                                                            *SHARD.values(), "world"])  # fmt: skip
+    assert all(len(summary["worker_pids"][str(r)]) == 1 for r in range(3))
+    assert summary["unfired_faults"] == []
+
+
 @pytest.mark.long
 def test_tp_by_dp_runs_alike_twice_and_its_fingerprint_covers_both_tp_shards(
     tmp_path, tmp_path_factory

@@ -150,6 +150,8 @@ class FaultRecord:
     generation: int | None = None  # the communicator generation a comm_error was seen in
     ranks: list[int] | None = None  # every rank lost with a node
     secondary: bool = False  # a consequence of another fault, not a cause
+    # (comm_error) the ranks of the group whose collective failed, None where not known
+    group: list[int] | None = None
 
     @property
     def lost_ranks(self) -> list[int]:
@@ -222,12 +224,14 @@ class WorkerError(Message):
 @message("comm_error", W, A)
 @wire
 class CommError(Message):
-    """A collective failed in a live worker; its proxy holds the framework."""
+    """A collective failed in a live worker; its proxy holds the framework. ``group``: the
+    ranks of the group it failed in."""
 
     error: str
     step: int | None
     generation: int
     t: float
+    group: list[int] | None = None
 
 
 @message("ready_for_dump", W, A, request=True)

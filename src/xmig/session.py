@@ -127,13 +127,14 @@ class Session:
                            os.environ.get("CUDA_MODULE_LOADING", "LAZY"))  # fmt: skip
         name = ctx.groups.name_for(c10d_name, ranks)
         generation = ctx.env.generation if default else ctx.proxy.generation
+        members = list(range(size)) if ranks is None else ranks
         proxy = ProxyProcessGroup(
             ctx.comms.communicator(name, generation, group_rank, size),
             before_op=ctx.injector.at_collective,
             keep_log=ctx.env.keep_log,
             log_route=jobenv.log_route_for(os.environ.get(jobenv.LOG_ROUTE), gate),
             gate=gate,
-            on_trouble=lambda error: on_trouble(ctx, error),
+            on_trouble=lambda error: on_trouble(ctx, error, members),
             # a replacement serves its prologue (DDP's construction) locally
             mode="local" if ctx.prologue_local else "normal",
             on_issue=ctx.tracer.op if ctx.tracer is not None else None,
@@ -144,7 +145,6 @@ class Session:
             proxy.begin_step(ctx.step)
         if self._replacement is not None and ctx.env.replacement:
             proxy.on_mismatch = self._replacement.refuse
-        members = list(range(size)) if ranks is None else ranks
         ctx.groups.add(Group(name, c10d_name, members, proxy))
         return proxy
 

@@ -166,6 +166,7 @@ class WorkerTrouble:
     step: int | None
     generation: int | None
     announced: dict[str, Any] | None = None  # the injected fault this report is (a raise)
+    group: list[int] | None = None  # (comm_error) the ranks of the group it failed in
 
 
 @dataclass(frozen=True)
@@ -371,6 +372,7 @@ class Agent:
                         wall: float) -> None:  # fmt: skip
         kind = "comm_error" if isinstance(msg, CommError) else "error"
         generation = msg.generation if isinstance(msg, CommError) else None
+        group = msg.group if isinstance(msg, CommError) else None
         # taken here, in the order the rank said things: a report the main loop reads only
         # after the rank announced a kill must not take that kill's announcement from its death
         announced = worker.announced
@@ -379,7 +381,7 @@ class Agent:
         else:
             announced = None
         self._post(WorkerTrouble(worker.rank, worker.pid, kind, msg.error, wall, msg.step,
-                                 generation, announced))  # fmt: skip
+                                 generation, announced, group))  # fmt: skip
 
     def _worker_ready_for_dump(self, worker: Worker, peer: Peer, msg: ReadyForDump,
                                wall: float) -> None:  # fmt: skip
@@ -697,7 +699,8 @@ class Agent:
                 return
             worker.state = "faulted"
         self._report_fault(worker, event.kind, event.detail, event.wall, step=event.step,
-                           generation=event.generation, announced=event.announced)  # fmt: skip
+                           generation=event.generation, announced=event.announced,
+                           group=event.group)  # fmt: skip
 
     def _relay(self, order: Message) -> None:
         """A coordinator's order for every worker of this node that can hear it."""
@@ -1078,6 +1081,7 @@ class Agent:
         step: int | None = None,
         generation: int | None = None,
         announced: dict[str, Any] | None = None,
+        group: list[int] | None = None,
     ) -> None:
         """To the coordinator: the worker's fault. A report it sent carries the announcement
         it followed (``announced``); a death or a hang takes the one the worker left."""
@@ -1097,6 +1101,7 @@ class Agent:
             injected=announced["fault"] if announced is not None else None,
             t_fault=t_fault, t_detected=detected, fault_time_source=source,
             detected_after_s=round(max(0.0, detected - t_fault), 6), generation=generation,
+            group=group,
         )  # fmt: skip
         self._send(Fault(record=record))
 

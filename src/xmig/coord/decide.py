@@ -70,6 +70,22 @@ def why_no_recovery(job: Job, primary: FaultRecord, replaced: list[int],
     return None
 
 
+def unexplained_error(errors: list[FaultRecord], replaced: list[int]) -> str | None:
+    """Why the replaced ranks' deaths do not explain a collective that failed (None: they
+    do): it failed on a rank that lives on, in a group that holds none of ``replaced``. Its
+    group is not one a replay rebuilds, and its ops there may never have gone out: only a
+    rollback, which rebuilds every group, brings that group back."""
+    if not replaced:
+        return None  # nobody replaced: every group is rebuilt anyway
+    for error in sorted(errors, key=lambda r: r.t_fault):
+        group = error.group
+        if (error.kind == "comm_error" and group and error.rank not in replaced
+                and not set(group) & set(replaced)):  # fmt: skip
+            return (f"a collective failed on rank {error.rank} in the group of ranks "
+                    f"{sorted(group)}, which holds none of the replaced ranks")  # fmt: skip
+    return None
+
+
 def why_no_checkpoint(job: Job, holders: list[int]) -> str | None:
     """Why the ranks ``holders`` cannot save the job's state (None: they can try)."""
     if not holders:

@@ -596,7 +596,13 @@ class Job:
         stale = record.generation is not None and record.generation < self.generation
         busy = (S.RECOVERING, S.CHECKPOINTING)
         shrinking = self.resizing is not None and bool(self.resizing.lost)
+        if record.kind == "comm_error" and self.state is S.RECOVERING:
+            started_over = self._unexplained_during_recovery(record, now)
+            if started_over is not None:
+                return started_over
         if record.kind == "comm_error" and (self.state in busy or stale or shrinking):
+            if record.injected:  # it fired, and the fault it met explains it
+                self._count(dataclasses.replace(record, secondary=True))
             return []  # a survivor noticing the fault that is being recovered from
         if self.state in (S.STARTING, S.RUNNING):
             self.batch, self.settle_started = [record], now
@@ -758,22 +764,28 @@ class Job:
         batch, self.batch = self.batch, []
         deaths = sorted((r for r in batch if r.kind != "comm_error"), key=lambda r: r.t_fault)
         errors = sorted((r for r in batch if r.kind == "comm_error"), key=lambda r: r.t_fault)
+        dead = sorted({rank for r in deaths for rank in r.lost_ranks})
+        # an error that the deaths do not explain is a fault of its own
+        unexplained = [r for r in errors if decide.unexplained_error([r], dead)]
         ordered = [
-            dataclasses.replace(r, secondary=i > 0 and (r.kind == "comm_error" or not deaths))
+            dataclasses.replace(r, secondary=i > 0 and r not in unexplained
+                                and (r.kind == "comm_error" or not deaths))
             for i, r in enumerate(deaths + errors)
-        ]
+        ]  # fmt: skip
         for record in ordered:
             self._count(record)
         self.primary = ordered[0]
         orders: list[Order] = [Say(f"fault: {summary.describe(ordered[0])}")]
         orders += [Say(f"  also: {summary.describe(r)}") for r in ordered[1:] if not r.secondary]
-        dead = sorted({rank for r in deaths for rank in r.lost_ranks})
-        return orders + self._start_recovery(ordered[0], dead, now)
+        return orders + self._start_recovery(
+            ordered[0], dead, now, no_replay=decide.unexplained_error(errors, dead)
+        )
 
     # ---- recovery ----------------------------------------------------------------------------
-    def _retry(self, why: str, now: float) -> list[Order]:
+    def _retry(self, why: str, now: float, no_replay: str | None = None) -> list[Order]:
         """The replay of a recovery failed (a replacement issued an op its survivors had not
-        logged; it ends itself): start the recovery over, every rank rolling the step back."""
+        logged; it ends itself), or cannot be (``no_replay``): start the recovery over,
+        every rank rolling the step back."""
         failed = self.recovery
         assert failed is not None
         self.recovery = None
@@ -781,9 +793,28 @@ class Job:
             member = self.members.get(rank)
             if member is not None:
                 self.retiring.add(member.pid)
+        no_replay = no_replay or f"replaying it failed: {why}"
         return [Say(f"replay impossible: {why}; rolling the step back instead"),
                 *self._start_recovery(failed.primary, failed.replaced, now,
-                                      no_replay=f"replaying it failed: {why}")]  # fmt: skip
+                                      no_replay=no_replay)]  # fmt: skip
+
+    def _unexplained_during_recovery(self, record: FaultRecord, now: float) -> list[Order] | None:
+        """A collective failed, during a recovery that replays, in a group that holds none of
+        the replaced ranks: a fault of its own, in a group the replay would keep as it is.
+        The recovery starts over as a rollback, which rebuilds every group. None where the
+        recovery's faults explain the error."""
+        recovery = self.recovery
+        if recovery is None or recovery.no_replay is not None:
+            return None
+        if recovery.plan is not None and recovery.plan.mode != "replay":
+            return None
+        why = decide.unexplained_error([record], recovery.replaced)
+        if why is None:
+            return None
+        self._count(record)
+        return [Note("fault", dataclasses.asdict(record)),
+                Say(f"  also: {summary.describe(record)}"),
+                *self._retry(why, now, no_replay=why)]  # fmt: skip
 
     def _start_recovery(self, primary: FaultRecord, replaced: list[int], now: float,
                         no_replay: str | None = None) -> list[Order]:  # fmt: skip

@@ -31,8 +31,9 @@ def is_sticky_cuda_error(text: str) -> bool:
     return any(marker.lower() in lowered for marker in STICKY_CUDA_ERRORS)
 
 
-def on_trouble(ctx: WorkerContext, error: str) -> None:
-    """The proxy's ``on_trouble``: tell the agent, and get ready to be parked."""
+def on_trouble(ctx: WorkerContext, error: str, group: list[int] | None = None) -> None:
+    """The proxy's ``on_trouble``: tell the agent (``group``: the ranks of the group the
+    collective failed in), and get ready to be parked."""
     if ctx.link is None:
         logger.error("rank %d: collective failed and no agent can help: %s", ctx.rank, error)
         exit_now(1)
@@ -40,7 +41,7 @@ def on_trouble(ctx: WorkerContext, error: str) -> None:
         # the CUDA context is lost: only a new process can go on; the agent respawns it
         ctx.die(f"unrecoverable CUDA error, this process must be replaced: {error}")
     ctx.send(protocol.CommError(error=error, step=ctx.step, generation=ctx.proxy.generation,
-                                t=time.time()))  # fmt: skip
+                                t=time.time(), group=group))  # fmt: skip
     started = ctx.recoveries_started
     threading.Thread(target=_watchdog, args=(ctx, started), daemon=True).start()
 
