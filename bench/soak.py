@@ -1,7 +1,7 @@
 """Reliability soak: hundreds of faults, each run checked bit for bit, and goodput.
 
     python bench/soak.py [--cases N] [--seed S] [--out bench/results/reliability.md]
-                         [--goodput-steps N] [--every K] [--step-sleep S]
+                         [--layout-cases N] [--goodput-steps N] [--every K] [--step-sleep S]
 
 1. The fault matrix: ``--cases`` random jobs of the demo GPT on 2-4 ranks, each with one or
    two faults: kill, exit, raise or hang at a point of a step (forward, backward, optimizer,
@@ -10,6 +10,8 @@
    without a hot spare. Each run must end bit-identical to the fault-free run of its size, or
    stop cleanly with a checkpoint whose resume is bit-identical, or stop cleanly with nothing
    left to save (no rank that holds the state alive).
+   With ``--layout-cases``, as many more of FSDP2's HSDP (a 2 x 2 mesh) and of tensor
+   parallel by data parallel (2 x 2), in turn, on 4 ranks: the same faults but node losses.
 2. xmig's own processes: the coordinator SIGKILLed mid-run and mid-recovery (started again
    by its launcher), and for good (``--coordinator-restarts 0``), an agent SIGKILLed, the
    launcher SIGKILLed, a hot spare SIGKILLed before it is used; each checked the same way,
@@ -45,6 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "examples" / "train_gpt.py"
 STEPS = 8
 JOB = [str(DEMO), "--preset", "tiny", "--steps", str(STEPS), "--quiet"]
+# the layouts of ``--layout-cases``: the tests' FSDP2 script on a mesh of 4 ranks
+MESH_SCRIPT = REPO / "tests" / "scripts" / "fsdp.py"
+MESH_STEPS = 6
+MESH_LAYOUTS = ("hsdp", "tp-dp")
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
 STEP_POINTS = ("forward", "backward", "optimizer", "boundary", "collective=0", "collective=1")
 RECOVERY_POINTS = ("park", "rebuild", "pull", "replay", "checkpoint")
@@ -218,6 +224,42 @@ class Soak:
                     f"at={rng.choice(STEP_POINTS)}"
                 )
         return layout, faults, " ".join([*layout, *faults])
+
+    @staticmethod
+    def step_faults(rng: random.Random, world: int, steps: int) -> list[str]:
+        """One fault at a point of a step, and half the time a second: a kill of another
+        rank in a phase of the recovery, or a kill or exit of any rank at a later step."""
+        step = rng.randint(1, steps - 2)
+        kind = rng.choice(("kill", "kill", "exit", "raise", "hang"))
+        point = rng.choice(STEP_POINTS)
+        if kind == "raise" and point in ("forward", "optimizer", "boundary"):
+            point = "backward"
+        first = rng.randrange(world)
+        faults = [f"{kind}:rank={first}:step={step}:at={point}"]
+        if rng.random() < 0.5:
+            rank = rng.randrange(world)
+            if rank != first and rng.random() < 0.6:
+                faults.append(f"kill:rank={rank}:step={step}:at={rng.choice(RECOVERY_POINTS)}")
+            else:
+                later = rng.randint(step, steps - 1)
+                faults.append(f"{rng.choice(('kill', 'exit'))}:rank={rank}:step={later}:"
+                              f"at={rng.choice(STEP_POINTS)}")  # fmt: skip
+        return faults
+
+    def layout_case(self, rng: random.Random, mesh: str) -> Outcome:
+        """A random faulty job of the FSDP2 script on ``mesh`` (4 ranks)."""
+        layout = ["--nproc-per-node", "4", "--hot-spares", str(rng.choice((0, 1)))]
+        job = [str(MESH_SCRIPT), "--layout", mesh, "--steps", str(MESH_STEPS)]
+        faults = self.step_faults(rng, 4, MESH_STEPS)
+        self.count += 1
+        injected = [x for f in faults for x in ("--inject", f)]
+        summary, output, seconds = xmig_run(
+            self.work, f"case-{self.count}", [*layout, *FAST, *injected, *job]
+        )
+        name = " ".join([mesh, *layout, *faults])
+        outcome = self.judge(name, layout, job, summary, output, seconds)
+        outcome.detail["faults"] = len(faults)
+        return outcome
 
     def matrix_case(self, rng: random.Random) -> Outcome:
         layout, faults, name = self.faults(rng)
@@ -420,7 +462,14 @@ def report(
         f"Measured {started} with `python bench/soak.py {' '.join(sys.argv[1:])}` "
         f"({elapsed / 60:.0f} min); machine: {machine()}.",
         "",
-        "The demo GPT (`--preset tiny`), 2-4 ranks (gloo). Each run is judged: bit-identical to "
+        "The demo GPT (`--preset tiny`), 2-4 ranks (gloo)"
+        + (
+            f"; {args.layout_cases} of the jobs FSDP2's HSDP and TP by DP on 4 ranks "
+            "(`tests/scripts/fsdp.py`)"
+            if args.layout_cases
+            else ""
+        )  # fmt: skip
+        + ". Each run is judged: bit-identical to "
         "the fault-free run of its size; or a clean stop with a just-in-time checkpoint whose "
         "resume is bit-identical; or a clean stop with nothing left to save (no live rank "
         "holds the state); anything else fails, and so does a process of the job left behind.",
@@ -481,6 +530,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=100, help="random faulty jobs")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--layout-cases", type=int, default=0,
+                        help="faulty jobs of FSDP2's HSDP and TP by DP, in turn")  # fmt: skip
     parser.add_argument(
         "--no-processes", action="store_true", help="leave out the kills of xmig's own processes"
     )
@@ -502,6 +553,11 @@ def main() -> int:
                 f"[{i + 1}/{args.cases}] {outcome.case}: {outcome.kind} ({outcome.seconds:.1f} s)",
                 flush=True,
             )
+        for i in range(args.layout_cases):
+            outcome = soak.layout_case(rng, MESH_LAYOUTS[i % len(MESH_LAYOUTS)])
+            soak.outcomes.append(outcome)
+            print(f"[layouts {i + 1}/{args.layout_cases}] {outcome.case}: {outcome.kind} "
+                  f"({outcome.seconds:.1f} s)", flush=True)  # fmt: skip
         if not args.no_processes:
             for what in (
                 "coordinator mid-run",
