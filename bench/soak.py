@@ -213,38 +213,35 @@ class Soak:
             first = min(first, 2 * max(1, ranks // 2) - 1)
             faults = [f"node:rank={first}:step={step}:at={point}"]
         world = 2 * max(1, ranks // 2) if kind == "node" else ranks
-        if rng.random() < 0.5:
-            rank = rng.randrange(world)
-            if rank != first and rng.random() < 0.6:
-                faults.append(f"kill:rank={rank}:step={step}:at={rng.choice(RECOVERY_POINTS)}")
-            else:
-                later = rng.randint(step, STEPS - 1)
-                faults.append(
-                    f"{rng.choice(('kill', 'exit'))}:rank={rank}:step={later}:"
-                    f"at={rng.choice(STEP_POINTS)}"
-                )
+        second = self.second_fault(rng, world, first, step, STEPS)
+        faults += [second] if second else []
         return layout, faults, " ".join([*layout, *faults])
 
     @staticmethod
+    def second_fault(rng: random.Random, world: int, first: int, step: int,
+                     steps: int) -> str | None:  # fmt: skip
+        """Half the time a second fault: a kill of another rank than ``first`` in a phase
+        of the recovery, or a kill or exit of any rank at ``step`` or later."""
+        if rng.random() >= 0.5:
+            return None
+        rank = rng.randrange(world)
+        if rank != first and rng.random() < 0.6:
+            return f"kill:rank={rank}:step={step}:at={rng.choice(RECOVERY_POINTS)}"
+        later = rng.randint(step, steps - 1)
+        kind = rng.choice(("kill", "exit"))
+        return f"{kind}:rank={rank}:step={later}:at={rng.choice(STEP_POINTS)}"
+
+    @staticmethod
     def step_faults(rng: random.Random, world: int, steps: int) -> list[str]:
-        """One fault at a point of a step, and half the time a second: a kill of another
-        rank in a phase of the recovery, or a kill or exit of any rank at a later step."""
+        """One fault at a point of a step, and half the time a second (``second_fault``)."""
         step = rng.randint(1, steps - 2)
         kind = rng.choice(("kill", "kill", "exit", "raise", "hang"))
         point = rng.choice(STEP_POINTS)
         if kind == "raise" and point in ("forward", "optimizer", "boundary"):
             point = "backward"
         first = rng.randrange(world)
-        faults = [f"{kind}:rank={first}:step={step}:at={point}"]
-        if rng.random() < 0.5:
-            rank = rng.randrange(world)
-            if rank != first and rng.random() < 0.6:
-                faults.append(f"kill:rank={rank}:step={step}:at={rng.choice(RECOVERY_POINTS)}")
-            else:
-                later = rng.randint(step, steps - 1)
-                faults.append(f"{rng.choice(('kill', 'exit'))}:rank={rank}:step={later}:"
-                              f"at={rng.choice(STEP_POINTS)}")  # fmt: skip
-        return faults
+        second = Soak.second_fault(rng, world, first, step, steps)
+        return [f"{kind}:rank={first}:step={step}:at={point}", *([second] if second else [])]
 
     def layout_case(self, rng: random.Random, mesh: str) -> Outcome:
         """A random faulty job of the FSDP2 script on ``mesh`` (4 ranks)."""
