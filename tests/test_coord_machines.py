@@ -476,6 +476,46 @@ def test_restoring_to_done_settles_the_job_running():
     assert any(line.startswith("recovered rank 1") for line in said(orders))
 
 
+def test_a_death_of_a_rank_that_had_recovered_waits_for_the_recovery_to_end():
+    """Under HSDP or tensor parallel a rank that has recovered goes on while others still
+    recover. Its death then is held: ending the recovery would leave the ranks at two steps,
+    which no checkpoint joins. Once the recovery ends, the death is settled and recovered."""
+    job = running_job(nnodes=3)
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    for rank in (0, 2):
+        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
+    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=True), T0 + 0.2)
+    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0 + 0.25), T0 + 0.25)
+    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
+    job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    orders = job.on(kill(2, t=T0 + 0.6, step=4), T0 + 0.6)
+    assert job.state is S.RECOVERING and job.recovery.generation == 1
+    assert [f.rank for f in job.held] == [2]
+    assert any("fault after its rank had recovered: rank 2" in line for line in said(orders))
+    job.on(Recovered(generation=1, role="survivor", rank=0, **report), T0 + 0.7)
+    job.on(Recovered(generation=1, role="replacement", rank=1, **report), T0 + 0.7)
+    assert job.state is S.SETTLING and job.held == [] and len(job.recoveries) == 1
+    orders = job.on(Tick(), T0 + 0.7)
+    assert job.state is S.RECOVERING and job.generation == 2 and job.recovery.replaced == [2]
+    assert sent(orders, Park) == [("all", Park(generation=2, replaced=[2]))]
+    assert [f.rank for f in job.faults] == [1, 2]
+
+
+def test_a_death_held_during_a_recovery_that_fails_is_kept_and_not_a_holder():
+    job = running_job(nnodes=3)
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    for rank in (0, 2):
+        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
+    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
+    job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    job.on(kill(2, t=T0 + 0.6, step=4), T0 + 0.6)
+    job.on(Tick(), T0 + 1000)  # the recovery's deadline
+    assert job.state is S.STOPPING and job.held == []
+    assert [f.rank for f in job.faults] == [1, 2]
+
+
 def test_a_recovery_notes_each_phase_and_each_ranks_report_for_the_event_log():
     job, orders = recovering_job()
     notes = [o.fields for o in orders if isinstance(o, Note) and o.event == "recovery"]

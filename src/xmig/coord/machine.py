@@ -219,6 +219,9 @@ class Job:
     faults: list[FaultRecord] = field(default_factory=list)
     primary: FaultRecord | None = None
     batch: list[FaultRecord] = field(default_factory=list)  # faults being settled
+    # deaths of ranks that had recovered and gone on while others still recovered: settled
+    # once the recovery ends
+    held: list[FaultRecord] = field(default_factory=list)
     settle_started: float = 0.0
     settle_until: float = 0.0
     # rank -> the attempt its latest respawn was ordered as: reports of an earlier one, whose
@@ -444,7 +447,11 @@ class Job:
             # the recovery starts over: where each process stood in the old plan is not
             # known, so its replacements end and every rank rolls the step back
             assert rejoin.busy is not None
-            replaced = list(rejoin.busy["ranks"])
+            # with the deaths it held: their ranks are replaced too
+            held, self.held = self.held, []
+            for record in held:
+                self._count(record)
+            replaced = sorted({*rejoin.busy["ranks"], *(r for f in held for r in f.lost_ranks)})
             for rank in replaced:
                 member = self.members.get(rank)
                 if member is not None and member.attempt > 0 and member.node in self.agents:
@@ -461,6 +468,7 @@ class Job:
             what = busy or before.value
             self.reason = f"the coordinator was restarted during a {what}"
             skip = set(rejoin.busy["ranks"]) if rejoin.busy else set()
+            skip |= {r for f in self.held for r in f.lost_ranks}
             holders = [r for r, m in sorted(self.members.items())
                        if r not in skip and m.node in self.agents]  # fmt: skip
             ending = [ToNode(m.node, EndRank(rank=r, pid=m.pid)) for r, m in self.members.items()
@@ -614,6 +622,9 @@ class Job:
             self._settle_after(record, now)
             return [Note("fault", dataclasses.asdict(record))]
         if self.state is S.RECOVERING:
+            held = self._hold(record, now)
+            if held is not None:
+                return held
             widened = self._widen(record, now)
             if widened is not None:
                 return [Note("fault", dataclasses.asdict(record)), *widened]
@@ -691,6 +702,38 @@ class Job:
                                   "replaced": replaced}),
                 *self._start_recovery(recovery.primary, replaced, now,
                                       no_replay=recovery.no_replay)]  # fmt: skip
+
+    def _hold(self, record: FaultRecord, now: float) -> list[Order] | None:
+        """A death of ranks that had recovered already and gone on (a rank whose groups do
+        not hold the ranks still recovering runs ahead of them, under HSDP or tensor
+        parallel): held, and recovered from once the recovery ends. Ending the recovery for
+        it would leave the state at two steps, the ranks behind still in the recovery's
+        step and those ahead past it, which no checkpoint can join. None where the record
+        is not such a death."""
+        recovery = self.recovery
+        if recovery is None or recovery.plan is None or record.kind == "comm_error":
+            return None
+        if not set(record.lost_ranks) <= set(recovery.recovered):
+            return None
+        self.held.append(record)
+        recovery.lost.update(record.lost_ranks)  # (not a holder, should the recovery fail)
+        return [Note("fault", dataclasses.asdict(record)),
+                Say(f"fault after its rank had recovered: {summary.describe(record)}; "
+                    f"recovered from once the recovery to generation {recovery.generation} "
+                    "has ended")]  # fmt: skip
+
+    def _release_held(self, now: float) -> list[Order]:
+        """The recovery ended: the deaths held meanwhile are settled now, as one batch (or
+        kept among the run's faults where the job no longer runs)."""
+        held, self.held = self.held, []
+        if not held:
+            return []
+        if self.state is not S.RUNNING:
+            for record in held:
+                self._count(dataclasses.replace(record, secondary=True))
+            return []
+        self.batch, self.settle_started, self.settle_until = held, now, now
+        return self._enter(S.SETTLING, now)
 
     def _agent_lost(self, event: AgentLost, now: float) -> list[Order]:
         node = event.node
@@ -793,18 +836,24 @@ class Job:
             member = self.members.get(rank)
             if member is not None:
                 self.retiring.add(member.pid)
+        held, self.held = self.held, []  # deaths it held: replaced in the new one too
+        for record in held:
+            self._count(record)
+        replaced = sorted({*failed.replaced, *(r for f in held for r in f.lost_ranks)})
         no_replay = no_replay or f"replaying it failed: {why}"
         return [Say(f"replay impossible: {why}; rolling the step back instead"),
-                *self._start_recovery(failed.primary, failed.replaced, now,
+                *self._start_recovery(failed.primary, replaced, now,
                                       no_replay=no_replay)]  # fmt: skip
 
     def _unexplained_during_recovery(self, record: FaultRecord, now: float) -> list[Order] | None:
         """A collective failed, during a recovery that replays, in a group that holds none of
         the replaced ranks: a fault of its own, in a group the replay would keep as it is.
         The recovery starts over as a rollback, which rebuilds every group. None where the
-        recovery's faults explain the error."""
+        recovery's faults explain the error, or where its rank had recovered already (a
+        held death's echo, or a fault after the recovery, which its trouble watchdog ends
+        if no recovery follows)."""
         recovery = self.recovery
-        if recovery is None or recovery.no_replay is not None:
+        if recovery is None or recovery.no_replay is not None or record.rank in recovery.recovered:
             return None
         if recovery.plan is not None and recovery.plan.mode != "replay":
             return None
@@ -891,11 +940,12 @@ class Job:
             self.migrations.append(record)
         self.recovery = self.migration = self.resizing = None
         orders = [*self._enter(S.RUNNING, now), Say(settled.line)]
-        if why is None:
-            return [*orders, *self._maybe_release(now)]
-        orders += self._not_bit_identical(record["generation"], why)
-        if self.spec.strict:
-            return [*orders, *self._distrust(f"--strict: {why}", now)]
+        if why is not None:
+            orders += self._not_bit_identical(record["generation"], why)
+            if self.spec.strict:
+                orders += self._distrust(f"--strict: {why}", now)
+        if self.held:
+            return [*orders, *self._release_held(now)]
         return [*orders, *self._maybe_release(now)]
 
     def _not_bit_identical(self, generation: int, why: str) -> list[Order]:
@@ -931,6 +981,9 @@ class Job:
                        if r not in lost and not (moving and r == migration.rank)]  # fmt: skip
             return [Say(f"{what}: {reason}"), *self._save(holders, now)]
         if recovery is not None:
+            for record in self.held:  # deaths it held: among the run's faults, not holders
+                self._count(dataclasses.replace(record, secondary=True))
+            self.held = []
             holders = [r for r in recovery.survivors if r not in recovery.lost]
             # the replacements have no state to save, and a survivor may wait for one of
             # them inside a collective (gloo's cannot be aborted): they end first

@@ -91,6 +91,7 @@ def snapshot(job: Job) -> dict[str, Any]:
         "exited": sorted(job.exited),
         "faults": [dataclasses.asdict(f) for f in job.faults],
         "batch": [dataclasses.asdict(f) for f in job.batch],
+        "held": [dataclasses.asdict(f) for f in job.held],
         "primary": dataclasses.asdict(job.primary) if job.primary is not None else None,
         "recoveries": job.recoveries,
         "migrations": job.migrations,
@@ -166,6 +167,7 @@ def restore(spec: JobSpec, data: dict[str, Any], now: float, launch: HostLaunch 
         job.coordinator_restarts = list(data["coordinator_restarts"])
         busy = data["busy"]
         job.batch = [FaultRecord(**f) for f in data["batch"]]  # a fault not yet settled
+        job.held = [FaultRecord(**f) for f in data.get("held", [])]  # deaths held meanwhile
         before = JobState(data["state"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"the coordinator's snapshot cannot be read: {exc}") from None
