@@ -502,6 +502,22 @@ def test_a_death_of_a_rank_that_had_recovered_waits_for_the_recovery_to_end():
     assert [f.rank for f in job.faults] == [1, 2]
 
 
+def test_a_death_of_a_recovered_rank_still_in_the_recoverys_step_ends_the_recovery():
+    """A rank that reported it recovered and died in the step the recovery resumed at (its
+    rollback could not undo an update it had begun, say) did not go on: nobody is past
+    that step, and the recovery ends with the state saved, as for any second fault."""
+    job = running_job(nnodes=3)
+    job.on(kill(1), T0)
+    job.on(Tick(), T0 + SETTLE_WINDOW_S)
+    for rank in (0, 2):
+        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
+    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
+    job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    job.on(kill(2, t=T0 + 0.6, step=job.recovery.plan.step), T0 + 0.6)
+    assert job.held == [] and job.recovery is None
+    assert job.reason == "a second fault hit during recovery"
+
+
 def test_a_death_held_during_a_recovery_that_fails_is_kept_and_not_a_holder():
     job = running_job(nnodes=3)
     job.on(kill(1), T0)

@@ -704,17 +704,19 @@ class Job:
                                       no_replay=recovery.no_replay)]  # fmt: skip
 
     def _hold(self, record: FaultRecord, now: float) -> list[Order] | None:
-        """A death of ranks that had recovered already and gone on (a rank whose groups do
-        not hold the ranks still recovering runs ahead of them, under HSDP or tensor
-        parallel): held, and recovered from once the recovery ends. Ending the recovery for
-        it would leave the state at two steps, the ranks behind still in the recovery's
-        step and those ahead past it, which no checkpoint can join. None where the record
-        is not such a death."""
+        """A death of ranks that had recovered already and gone on past the recovery's step
+        (a rank whose groups do not hold the ranks still recovering runs ahead of them,
+        under HSDP or tensor parallel): held, and recovered from once the recovery ends.
+        Ending the recovery for it would leave the state at two steps, the ranks behind
+        still in the recovery's step and those ahead past it, which no checkpoint can join.
+        None where the record is not such a death."""
         recovery = self.recovery
         if recovery is None or recovery.plan is None or record.kind == "comm_error":
             return None
         if not set(record.lost_ranks) <= set(recovery.recovered):
             return None
+        if record.step is None or record.step <= recovery.plan.step:
+            return None  # not past the recovery's step: it did not go on (its rollback, say)
         self.held.append(record)
         recovery.lost.update(record.lost_ranks)  # (not a holder, should the recovery fail)
         return [Note("fault", dataclasses.asdict(record)),
