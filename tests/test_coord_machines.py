@@ -476,19 +476,26 @@ def test_restoring_to_done_settles_the_job_running():
     assert any(line.startswith("recovered rank 1") for line in said(orders))
 
 
-def test_a_death_of_a_rank_that_had_recovered_waits_for_the_recovery_to_end():
-    """Under HSDP or tensor parallel a rank that has recovered goes on while others still
-    recover. Its death then is held: ending the recovery would leave the ranks at two steps,
-    which no checkpoint joins. Once the recovery ends, the death is settled and recovered."""
+def rank_2_recovered():
+    """Rank 1 killed in a job of 3 ranks; the plan is out and rank 2 has recovered (ranks 0
+    and 1 have not yet): the job, and a ``Recovered`` report's fields."""
     job = running_job(nnodes=3)
     job.on(kill(1), T0)
     job.on(Tick(), T0 + SETTLE_WINDOW_S)
     for rank in (0, 2):
         job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
-    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=True), T0 + 0.2)
-    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0 + 0.25), T0 + 0.25)
     report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
     job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    return job, report
+
+
+def test_a_death_of_a_rank_that_had_recovered_waits_for_the_recovery_to_end():
+    """Under HSDP or tensor parallel a rank that has recovered goes on while others still
+    recover. Its death then is held: ending the recovery would leave the ranks at two steps,
+    which no checkpoint joins. Once the recovery ends, the death is settled and recovered."""
+    job, report = rank_2_recovered()
+    job.on(WorkerStarted(rank=1, node=1, pid=301, attempt=1, t=T0, from_spare=True), T0 + 0.2)
+    job.on(WorkerJoined(rank=1, pid=301, attempt=1, t=T0 + 0.25), T0 + 0.25)
     orders = job.on(kill(2, t=T0 + 0.6, step=4), T0 + 0.6)
     assert job.state is S.RECOVERING and job.recovery.generation == 1
     assert [f.rank for f in job.held] == [2]
@@ -506,26 +513,14 @@ def test_a_death_of_a_recovered_rank_still_in_the_recoverys_step_ends_the_recove
     """A rank that reported it recovered and died in the step the recovery resumed at (its
     rollback could not undo an update it had begun, say) did not go on: nobody is past
     that step, and the recovery ends with the state saved, as for any second fault."""
-    job = running_job(nnodes=3)
-    job.on(kill(1), T0)
-    job.on(Tick(), T0 + SETTLE_WINDOW_S)
-    for rank in (0, 2):
-        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
-    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
-    job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    job, report = rank_2_recovered()
     job.on(kill(2, t=T0 + 0.6, step=job.recovery.plan.step), T0 + 0.6)
     assert job.held == [] and job.recovery is None
     assert job.reason == "a second fault hit during recovery"
 
 
 def test_a_death_held_during_a_recovery_that_fails_is_kept_and_not_a_holder():
-    job = running_job(nnodes=3)
-    job.on(kill(1), T0)
-    job.on(Tick(), T0 + SETTLE_WINDOW_S)
-    for rank in (0, 2):
-        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
-    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
-    job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    job, report = rank_2_recovered()
     job.on(kill(2, t=T0 + 0.6, step=4), T0 + 0.6)
     job.on(Tick(), T0 + 1000)  # the recovery's deadline
     assert job.state is S.STOPPING and job.held == []

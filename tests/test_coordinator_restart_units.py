@@ -197,16 +197,9 @@ def test_the_snapshot_is_rewritten_for_decisions_not_for_every_report():
 def test_a_death_held_during_a_recovery_is_replaced_when_the_recovery_starts_over():
     """Rank 2 had recovered and died while rank 0 still recovered (held); the coordinator
     restarts: the recovery starts over with rank 2 replaced too."""
-    from test_coord_machines import position
-    from xmig.protocol import Parked, Recovered
+    from test_coord_machines import rank_2_recovered
 
-    job = running_job(nnodes=3)
-    job.on(kill(1), T0)
-    job.on(Tick(), T0 + SETTLE_WINDOW_S)
-    for rank in (0, 2):
-        job.on(Parked(generation=1, position=position(), rank=rank), T0 + 0.2)
-    report = {"phases": {"pull": 0.1}, "pull": None, "t_resumed": T0 + 0.5}
-    job.on(Recovered(generation=1, role="survivor", rank=2, **report), T0 + 0.5)
+    job, _ = rank_2_recovered()
     job.on(kill(2, t=T0 + 0.6, step=4), T0 + 0.6)
     job = restarted(job)
     assert [f.rank for f in job.held] == [2]
