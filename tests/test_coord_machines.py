@@ -1091,3 +1091,20 @@ def test_a_recovery_given_up_ends_its_replacement_before_the_survivors_save():
     assert sent(orders, EndRank) == [(1, EndRank(rank=1, pid=301))]
     assert job.state is S.CHECKPOINTING
     assert sent(orders, Park) == [("all", Park(generation=2, replaced=[1, 2]))]
+
+
+@pytest.mark.parametrize(("rank", "group", "replaced", "unexplained"), [
+    (1, [0, 1], [3], True),  # a group without the dead rank: a fault of its own
+    (1, [1, 3], [3], False),  # the dead rank's group: its echo
+    (3, [2, 3], [3], False),  # the dead rank's own report
+    (1, None, [3], False),  # a group not said
+    (1, [0, 1], [], False),  # nobody replaced: every group is rebuilt anyway
+])  # fmt: skip
+def test_which_failed_collectives_the_deaths_explain(rank, group, replaced, unexplained):
+    from xmig.coord.decide import unexplained_error
+
+    error = dataclasses.replace(kill(rank, kind="comm_error").record, group=group)
+    why = unexplained_error([error], replaced)
+    assert (why is not None) is unexplained
+    if unexplained:
+        assert f"rank {rank} in the group of ranks {group}" in why
