@@ -3,6 +3,8 @@ ratio, the proxy's issue by kind of op, and with ``--split-issue`` the issue's p
 
 import json
 
+import torch
+
 from helpers import REPO, run
 
 SCRIPT = REPO / "bench" / "proxy_overhead.py"
@@ -45,3 +47,13 @@ def test_the_issue_alone_is_timed_against_a_communicator_that_does_nothing():
     refused = subprocess.run([sys.executable, str(script), "--steps", "0"], capture_output=True,
                              text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "--steps" in refused.stderr
+    split = subprocess.run([sys.executable, str(script), "--steps", "3", "--ops", "2", "--split",
+                            "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert split.returncode == 0, split.stderr
+    parts = json.loads(split.stdout)["issue_split_us"]
+    assert set(parts) == {"broadcast", "allreduce"}
+    assert 0 < parts["allreduce"]["_launch"] < parts["allreduce"]["issue"]
+    if not torch.cuda.is_available():  # the GPU's modes are refused, not run on the CPU
+        gpu = subprocess.run([sys.executable, str(script), "--nccl"], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert gpu.returncode == 2 and "need a GPU" in gpu.stderr
