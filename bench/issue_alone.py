@@ -90,7 +90,8 @@ def measure(steps: int, ops: int, numel: int, keep_log: bool, nccl: bool = False
             proxy.allreduce(bucket, dist.AllreduceOptions()).wait()
         whole = time.perf_counter() - started
         if nccl:  # the gates open at the step's end, as at a job's boundary
-            proxy.wait_gates_open(30.0)
+            if not proxy.wait_gates_open(10.0):
+                raise RuntimeError(f"a gate of step {step} stayed shut for 10 s")
             torch.cuda.synchronize()
         if step >= WARMUP_STEPS:
             count = proxy.issued - issued_before

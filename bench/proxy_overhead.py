@@ -190,10 +190,13 @@ def main() -> None:
     # (the log's first buffers, pinned ones among them) are not a step's
     counted: list[tuple[float, float, float, float]] = []
 
+    thread_cpu: list[dict[str, float]] = []  # where the timed steps begin and end
+
     def xmig_step() -> None:
         started = time.perf_counter()
         if len(boundaries) == args.warmup:
             counted.append(proxy_counters())
+            thread_cpu.append(threads_cpu_seconds())
         if len(boundaries) == args.warmup:
             issue_times.on = True
             if issue_split is not None:
@@ -218,6 +221,7 @@ def main() -> None:
             xmig_step()
             plain_step(i)
     counted.append(proxy_counters())
+    thread_cpu.append(threads_cpu_seconds())
     timed = max(args.steps - args.warmup, 1)
     copy_s, copy_bytes, issue_s, issued, gate_wait_s, gate_backlog = (
         end - start for start, end in zip(counted[0], counted[-1], strict=True)
@@ -271,6 +275,10 @@ def main() -> None:
             # nest (_enqueue holds _launch, which holds _when_done), "issue" is the whole
             # and "rest" what ISSUE_PARTS leave of it
             "issue_split_us": issue_split.per_op() if issue_split is not None else None,
+            # the CPU time of each of the process's threads, ms a step through xmig (the
+            # main thread's holds a plain step's too): which threads run beside the step
+            # loop, and for how long
+            "thread_cpu_ms_per_step": cpu_per_step(thread_cpu, timed),
             # per point: the median of the CPU's and of the GPU's time since the step began
             # (ms); the GPU later than the CPU by their difference: the CPU that far ahead
             "phases": {
@@ -289,6 +297,53 @@ def main() -> None:
         print(f"[rank0] plain {result['median_ms']['plain']:.1f} ms, xmig "
               f"{result['median_ms']['xmig']:.1f} ms, paired ratio "
               f"{result['paired_ratio_median']:.4f}", flush=True)  # fmt: skip
+
+
+def threads_cpu_seconds() -> dict[str, float]:
+    """The CPU time (user and system) each thread of this process has used, by name: Python's
+    name for a Python thread, the kernel's for the others (summed where names repeat)."""
+    import os
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            used = _sched_runtime(task)
+        except OSError:  # ended meanwhile
+            continue
+        kernel_name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if used is None:  # whole clock ticks (10 ms) where the kernel keeps no finer count
+            fields = stat[stat.rindex(")") + 2 :].split()
+            used = (int(fields[11]) + int(fields[12])) / tick
+        tid = int(task.name)
+        name = names.get(tid, "MainThread" if tid == os.getpid() else kernel_name)
+        seconds[name] = seconds.get(name, 0.0) + used
+    return seconds
+
+
+def _sched_runtime(task: Path) -> float | None:
+    """A thread's time on a CPU in seconds, to the ns, from the scheduler's own account
+    (``/proc/…/sched``, where the kernel has it)."""
+    try:
+        for line in (task / "sched").read_text().splitlines():
+            if line.startswith("se.sum_exec_runtime"):
+                return float(line.split(":")[1]) / 1000
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def cpu_per_step(marks: list[dict[str, float]], steps: int) -> dict[str, float]:
+    """ms a step of each thread's CPU time between the first and the last of ``marks``
+    (those that used any)."""
+    if len(marks) < 2 or steps < 1:
+        return {}
+    first, last = marks[0], marks[-1]
+    used = {name: (last[name] - first.get(name, 0.0)) / steps * 1000 for name in last}
+    return dict(sorted(((n, ms) for n, ms in used.items() if ms > 0), key=lambda kv: -kv[1]))
 
 
 class IssueProfiles:
