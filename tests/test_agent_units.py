@@ -216,16 +216,23 @@ def test_a_worker_whose_container_does_not_start_is_reported_as_a_process_that_e
     assert "its container did not start" in record.detail and "no such file" in record.detail
 
 
-def test_a_workers_step_notices_reach_its_agent_in_order_with_its_other_messages():
+@pytest.mark.parametrize("delay_s", [0.0, 0.003])
+def test_a_workers_step_notices_reach_its_agent_in_order_with_its_other_messages(
+    delay_s, monkeypatch
+):
     # the step notice is sent by a thread of the link's (a send on the step loop's own thread
-    # cost the boundary most of its time): it must still arrive before what the rank says next
+    # cost the boundary most of its time), after ``XMIG_NOTICE_DELAY_MS`` if set: it must
+    # still arrive before what the rank says next
     import threading
     import time
     from types import SimpleNamespace
 
     from xmig import protocol
+    from xmig.agent import link as link_module
     from xmig.agent.link import AgentLink
     from xmig.wire import Server
+
+    monkeypatch.setattr(link_module, "NOTICE_DELAY_S", delay_s)
 
     heard, lock = [], threading.Lock()
 

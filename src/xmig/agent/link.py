@@ -18,6 +18,10 @@ from xmig.worker.errors import exit_now
 logger = logging.getLogger(__name__)
 
 LOST_AGENT_EXIT_CODE = 70
+# how long the sender lets a step notice wait before it sends it (``XMIG_NOTICE_DELAY_MS``):
+# at a step's start the GPU waits for the step's first kernels, and the sender's wake-up
+# takes the interpreter from the thread that queues them
+NOTICE_DELAY_S = float(os.environ.get("XMIG_NOTICE_DELAY_MS", "0")) / 1e3
 
 
 def handle_push(
@@ -128,6 +132,8 @@ class AgentLink:
     def _send_notices(self) -> None:
         while not self._stop.is_set():
             self._notice_ready.wait()
+            if NOTICE_DELAY_S > 0:
+                self._stop.wait(NOTICE_DELAY_S)
             self._notice_ready.clear()
             try:
                 with self._order:
