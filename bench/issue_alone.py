@@ -1,22 +1,24 @@
 """The proxy's own cost of issuing one op, alone: one process, no other busy thread but the
 proxy's waiter. By default the communicator does nothing (its works are done at once): the
 floor of the issue's Python path, which a job's issue (``bench/proxy_overhead.py``'s
-``issue_us_by_op``) adds its waits for the interpreter and the CPU to. With ``--nccl`` (a GPU)
-it is a real NCCL group of one rank on CUDA tensors, the gate and the host route on, as in a
-gated job: what the GPU's calls add, without the job's other threads.
+``issue_us_by_op``) adds its waits for the interpreter and the CPU to. With ``--real`` it is
+a real group of one rank: on a GPU, NCCL on CUDA tensors, the gate and the host route on, as
+in a gated job (what the GPU's calls add, without the job's other threads); without one,
+gloo on the CPU.
 
     python bench/issue_alone.py [--steps 200] [--ops 50] [--numel 1024] [--no-log]
-                                [--nccl] [--split] [--primitives]
+                                [--real] [--split] [--primitives]
 
 Each step issues a broadcast and ``--ops`` all-reduces of ``--numel`` float32 each, and waits
 for each. Prints µs an op: the proxy's issue (median over the steps, and its least), and the
 issue with the wait for the waiter's completion. ``--split``: the issue's parts, as
-``proxy_overhead.py --split-issue`` times them. ``--primitives`` (with ``--nccl``): each call
-the issue is made of, alone, µs a call."""
+``proxy_overhead.py --split-issue`` times them. ``--primitives`` (a GPU, with ``--real``):
+each GPU call the issue is made of, alone, µs a call."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -56,16 +58,20 @@ class DoesNothing:
         return self._done(tensors)
 
 
-def nccl_backend(device: torch.device) -> Any:
-    """A real NCCL group of one rank on ``device`` (its communicator made at the first op)."""
+def real_backend(device: torch.device | None) -> Any:
+    """A real group of one rank: NCCL on ``device`` (its communicator made at the first op),
+    gloo without one."""
+    if device is None:
+        return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
     torch.cuda.set_device(device)
     return dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, dist.ProcessGroupNCCL.Options())
 
 
-def measure(steps: int, ops: int, numel: int, keep_log: bool, nccl: bool = False,
+def measure(steps: int, ops: int, numel: int, keep_log: bool, real: bool = False,
             split: bool = False) -> dict[str, Any]:  # fmt: skip
-    device = torch.device("cuda", 0) if nccl else None
-    backend = nccl_backend(device) if nccl else DoesNothing()
+    device = torch.device("cuda", 0) if real and torch.cuda.is_available() else None
+    nccl = device is not None
+    backend = real_backend(device) if real else DoesNothing()
     communicator = SimpleNamespace(rank=0, size=1, generation=0, backend=backend,
                                    kind="nccl" if nccl else "gloo")  # fmt: skip
     proxy = ProxyProcessGroup(communicator, keep_log=keep_log, gate=nccl,  # type: ignore[arg-type]
@@ -125,7 +131,7 @@ def _per_call(call: Callable[[], Any], calls: int = PRIMITIVE_CALLS) -> float:
 def primitives(numel: int) -> dict[str, float]:
     """µs a call of each GPU call a gated issue makes, alone (no proxy, no other thread)."""
     device = torch.device("cuda", 0)
-    backend = nccl_backend(device)
+    backend = real_backend(device)
     tensor = torch.zeros(numel, device=device)
     stream = torch.cuda.Stream(device)
     done = torch.futures.Future()
@@ -165,26 +171,26 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=1024, help="float32 elements an op")
     parser.add_argument("--no-log", action="store_true", help="the replay log off")
     parser.add_argument(
-        "--nccl",
+        "--real",
         action="store_true",
-        help="a real NCCL group of one rank on the GPU, gated, host route",
+        help="a real group of one rank: NCCL on the GPU (gated, host route), gloo without one",
     )
     parser.add_argument("--split", action="store_true", help="time the issue's parts")
     parser.add_argument(
         "--primitives",
         action="store_true",
-        help="(with --nccl) time each GPU call of the issue alone",
+        help="(a GPU, with --real) time each GPU call of the issue alone",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
     if args.steps < 1 or args.ops < 0 or args.numel < 1:
         parser.error("--steps and --numel must be at least 1, --ops at least 0")
-    if (args.nccl or args.primitives) and not torch.cuda.is_available():
-        parser.error("--nccl and --primitives need a GPU")
-    if args.primitives and not args.nccl:
-        parser.error("--primitives goes with --nccl")
+    if args.primitives and not torch.cuda.is_available():
+        parser.error("--primitives needs a GPU")
+    if args.primitives and not args.real:
+        parser.error("--primitives goes with --real")
     result = measure(args.steps, args.ops, args.numel, keep_log=not args.no_log,
-                     nccl=args.nccl, split=args.split)  # fmt: skip
+                     real=args.real, split=args.split)  # fmt: skip
     if args.primitives:
         result["primitives_us"] = primitives(args.numel)
     if args.json:

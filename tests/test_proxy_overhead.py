@@ -53,7 +53,14 @@ def test_the_issue_alone_is_timed_against_a_communicator_that_does_nothing():
     parts = json.loads(split.stdout)["issue_split_us"]
     assert set(parts) == {"broadcast", "allreduce"}
     assert 0 < parts["allreduce"]["_launch"] < parts["allreduce"]["issue"]
-    if not torch.cuda.is_available():  # the GPU's modes are refused, not run on the CPU
-        gpu = subprocess.run([sys.executable, str(script), "--nccl"], capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
-        assert gpu.returncode == 2 and "need a GPU" in gpu.stderr
+    # a real group of one rank (gloo here): its ops go through a real backend's launch
+    real = subprocess.run([sys.executable, str(script), "--steps", "3", "--ops", "2", "--real",
+                           "--split", "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert real.returncode == 0, real.stderr
+    real_parts = json.loads(real.stdout)["issue_split_us"]
+    assert 0 < real_parts["allreduce"]["_launch"] < real_parts["allreduce"]["issue"]
+    if not torch.cuda.is_available():  # the GPU's own timings are refused on the CPU
+        gpu = subprocess.run([sys.executable, str(script), "--real", "--primitives"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert gpu.returncode == 2 and "needs a GPU" in gpu.stderr
