@@ -256,6 +256,7 @@ class Soak:
         name = " ".join([mesh, *layout, *faults])
         outcome = self.judge(name, layout, job, summary, output, seconds)
         outcome.detail["faults"] = len(faults)
+        outcome.detail["mesh"] = mesh
         return outcome
 
     def matrix_case(self, rng: random.Random) -> Outcome:
@@ -453,6 +454,8 @@ def report(
         if not o.case.startswith(("coordinator", "agent", "launcher", "hot spare"))
     ]
     own = [o for o in outcomes if o not in matrix]
+    meshes = [o for o in matrix if "mesh" in o.detail]
+    matrix = [o for o in matrix if "mesh" not in o.detail]
     lines = [
         "# Reliability soak",
         "",
@@ -485,6 +488,14 @@ def report(
         else "",
         "",
     ]
+    if meshes:
+        lines += [
+            f"Layouts: {len(meshes)} random jobs of FSDP2's HSDP and TP by DP (seed {args.seed}), "
+            f"{sum(o.detail.get('faults', 0) for o in meshes)} faults drawn in all; "
+            f"{sum(o.recoveries for o in meshes)} recoveries. Median time a run: "
+            f"{statistics.median(o.seconds for o in meshes):.1f} s.",
+            "",
+        ]
     if own:
         lines += [
             "## xmig's own processes killed",
