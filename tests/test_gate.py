@@ -236,6 +236,33 @@ def _host_proxy():
     return proxy, backend
 
 
+def test_an_op_launched_again_is_not_completed_by_its_abandoned_launch():
+    """A recovery takes over an op whose launch hangs and launches it again on a new
+    communicator: the old launch ending late must not complete the op (its output would be
+    the old communicator's, the framework's future set before the new launch ended)."""
+    proxy, old = _host_proxy()
+    proxy.begin_step(4)
+    tensor = torch.full((2,), 6.0)
+    work = _allreduce(proxy, tensor)
+    _until(lambda: len(old.futures) == 1)
+    first_event = proxy.pending()[0].done_event
+    proxy.halt()
+    fresh = Communicator("gloo", "world", 1, dist.HashStore(), 0, 1, timedelta(seconds=10))
+    new = Controlled()
+    fresh.backend = new
+    proxy.switch(fresh)
+    proxy.resume()
+    _until(lambda: len(new.futures) == 1)
+    record = proxy.pending()[0]
+    assert record.done_event is not first_event and record.state == "launched"
+    old.end(0)  # the abandoned launch ends now
+    time.sleep(0.2)
+    assert not work.get_future().done() and proxy.pending() == [record]
+    new.end(0)
+    _until(lambda: work.get_future().done())
+    assert tensor.tolist() == [6.0, 6.0] and not proxy.halted
+
+
 def test_an_op_whose_work_failed_under_a_complete_future_is_a_fault_not_a_result():
     """NCCL completes an op's future at its launch; a peer lost afterwards fails the work
     alone. The proxy must not hand the framework that op's output as its result (nor let

@@ -38,6 +38,22 @@ def test_equal_ops_have_equal_signatures():
     assert a == "allreduce|(10,):torch.float32|reduceOp=RedOpType.SUM"
 
 
+def test_signatures_follow_the_options_values_each_time():
+    """(the options' texts are kept per field and value: a later op with other values of the
+    same options type must not take an earlier op's text)"""
+    t = torch.zeros(3)
+    texts = []
+    for root in (0, 1, 0, 2):
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        texts.append(signature_of("broadcast", ([t], options)))
+    expected = "broadcast|(3,):torch.float32|rootRank={},rootTensor=0"
+    assert texts == [expected.format(r) for r in (0, 1, 0, 2)]
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.SUM):
+        name = str(_allreduce_opts(op).reduceOp.op)
+        assert signature_of("allreduce", ([t], _allreduce_opts(op))).endswith(f"reduceOp={name}")
+
+
 def test_signatures_hold_no_memory_addresses():
     t = torch.zeros(4)
     sigs = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from dataclasses import dataclass, field
@@ -80,13 +81,33 @@ def map_tensors(value: Any, fn: Any) -> Any:
     return value
 
 
+_OPTION_FIELDS = ("reduceOp", "rootRank", "rootTensor")
+# an options type -> those of ``_OPTION_FIELDS`` it has; (field, value) -> its text: an op's
+# signature is made at each issue (c10d's option objects answer slowly: 13 µs an op)
+_fields_by_type: dict[type, tuple[str, ...]] = {}
+_field_texts: dict[tuple[str, Any], str] = {}
+
+
 def _options_key(value: Any) -> str:
+    kind = type(value)
+    names = _fields_by_type.get(kind)
+    if names is None:
+        names = _fields_by_type[kind] = tuple(n for n in _OPTION_FIELDS if hasattr(value, n))
     parts = []
-    for name in ("reduceOp", "rootRank", "rootTensor"):
-        if hasattr(value, name):
-            field_value = getattr(value, name)
+    for name in names:
+        field_value = getattr(value, name)
+        if name == "reduceOp":
             field_value = getattr(field_value, "op", field_value)  # ReduceOp → its kind
-            parts.append(f"{name}={field_value}")
+        try:
+            text = _field_texts.get((name, field_value))
+        except TypeError:  # not hashable
+            text = None
+        if text is None:
+            text = f"{name}={field_value}"
+            with contextlib.suppress(TypeError):
+                if len(_field_texts) < 4096:
+                    _field_texts[(name, field_value)] = text
+        parts.append(text)
     return ",".join(parts)
 
 

@@ -545,11 +545,14 @@ class ProxyProcessGroup(dist.ProcessGroup):
             record.state, record.error = "failed", str(exc)
             record.done_event.set()
             return
+        if record.launched_on is not None or record.done_event.is_set():
+            # launched before (a replay): that launch's late callback must not set this one's
+            # event (the first launch takes the record's own: one Event less an op)
+            record.done_event = threading.Event()
         record.work = work
         record.launched_on = id(self.communicator.backend)
         record.state = "launched"
-        event = record.done_event = threading.Event()
-        _when_done(work, event.set)
+        _when_done(work, record.done_event.set)
 
     def _track(self, record: OpRecord) -> None:
         payload = int_broadcast_payload(record.op, record.args)
