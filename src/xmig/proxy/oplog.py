@@ -65,9 +65,15 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor in a (nested) list or tuple, in order."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in tensors_in(item)]
-    return []
+    if not isinstance(value, (list, tuple)):
+        return []
+    found = []
+    for item in value:  # (a call per nested list only: each op's issue walks its args)
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            found.extend(tensors_in(item))
+    return found
 
 
 def map_tensors(value: Any, fn: Any) -> Any:
