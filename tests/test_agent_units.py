@@ -269,6 +269,15 @@ def test_a_workers_step_notices_reach_its_agent_in_order_with_its_other_messages
     assert link.step == 50
 
 
+def test_the_notice_delay_is_read_in_ms_and_a_bad_value_is_none():
+    from xmig.agent.link import notice_delay_s
+
+    assert notice_delay_s(None) == 0.0 and notice_delay_s("") == 0.0
+    assert notice_delay_s("3") == 0.003 and notice_delay_s("0.5") == 0.0005
+    for bad in ("abc", "-1", "5000", "nan"):
+        assert notice_delay_s(bad) == 0.0, bad
+
+
 @pytest.mark.parametrize("kind", ["kill", "raise"])
 def test_a_report_read_after_an_announced_kill_leaves_the_kill_to_the_death(kind):
     """A rank reports a failed collective, then announces a fault and carries it out, before

@@ -21,7 +21,26 @@ LOST_AGENT_EXIT_CODE = 70
 # how long the sender lets a step notice wait before it sends it (``XMIG_NOTICE_DELAY_MS``):
 # at a step's start the GPU waits for the step's first kernels, and the sender's wake-up
 # takes the interpreter from the thread that queues them
-NOTICE_DELAY_S = float(os.environ.get("XMIG_NOTICE_DELAY_MS", "0")) / 1e3
+NOTICE_DELAY_ENV = "XMIG_NOTICE_DELAY_MS"
+
+
+def notice_delay_s(value: str | None) -> float:
+    """The sender's wait in seconds for ``XMIG_NOTICE_DELAY_MS``'s value: 0 when unset; a
+    value that is not a number from 0 to 1000 is refused with a warning (no delay)."""
+    if not value:
+        return 0.0
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= 1000:
+        logger.warning("%s=%r is not a delay from 0 to 1000 ms: none is used",
+                       NOTICE_DELAY_ENV, value)  # fmt: skip
+        return 0.0
+    return ms / 1e3
+
+
+NOTICE_DELAY_S = notice_delay_s(os.environ.get(NOTICE_DELAY_ENV))
 
 
 def handle_push(
