@@ -18,6 +18,9 @@ def test_the_issue_is_split_into_its_parts(tmp_path):
     assert result.returncode == 0, result.output
     data = json.loads(out.read_text())
     assert data["paired_ratio_median"] > 0
+    # each thread's CPU time a step, by name: the step loop's thread ran every step
+    threads = data["thread_cpu_ms_per_step"]
+    assert threads["MainThread"] > 0, threads
     split = data["issue_split_us"]
     # DDP's forward broadcasts its buffers, its backward all-reduces the gradients' buckets
     assert {"broadcast", "allreduce"} <= set(split)
