@@ -89,7 +89,8 @@ def map_tensors(value: Any, fn: Any) -> Any:
 
 _OPTION_FIELDS = ("reduceOp", "rootRank", "rootTensor")
 # an options type -> those of ``_OPTION_FIELDS`` it has; (field, value) -> its text: an op's
-# signature is made at each issue (c10d's option objects answer slowly: 13 µs an op)
+# signature is made at each issue (c10d's option objects answer slowly: 13 µs an op under
+# cProfile)
 _fields_by_type: dict[type, tuple[str, ...]] = {}
 _field_texts: dict[tuple[str, Any], str] = {}
 
